@@ -1,0 +1,168 @@
+"""Plain-torch references for the gated delta rule on chains and trees.
+
+These are the ground truth for the Triton kernels beside them and the CPU path of the
+runtime. Shapes (fla's conventions, state key-first):
+
+    q, k   [B, N, H, K]   q already l2-normalised and scaled by K**-0.5, k l2-normalised
+    v      [B, N, H, V]
+    g      [B, N, H]      log decay (< 0)
+    beta   [B, N, H]      write strength
+    S0     [B, H, K, V]   fp32 state before the first node
+    parents [N]           parent node index, -1 for a node hanging off S0; parents[i] < i
+
+Every verify function returns (o, delta): o [B, N, H, V] the outputs, and delta
+[B, N, H, V] the residual written by each node. (k, delta, g) are the per-token *factors*:
+the state at the end of any root-to-node path is
+
+    S = exp(G) S0 + sum_{t on path} exp(G - G_t) k_t delta_t^T,
+
+which `commit_ref` rebuilds one rank-1 update at a time, in the order AR decoding uses.
+No verify function writes S0.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def gated_delta_step(S: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the recurrence for every batch row and head.
+
+    S [B,H,K,V]; k [B,H,K]; v [B,H,V]; g, beta [B,H]. Returns (new S, delta [B,H,V]).
+    AR decoding, the serial verifiers and the commit all go through this function, so the
+    committed state and the AR state are computed by the same floating-point operations.
+    """
+    S = S * g.exp()[..., None, None]
+    delta = beta[..., None] * (v - (S * k[..., None]).sum(-2))
+    S = S + k[..., :, None] * delta[..., None, :]
+    return S, delta
+
+
+def chain_verify_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, S0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Serial walk over a chain (node i's parent is i-1), the state kept local."""
+    S = S0.float()
+    o, delta = torch.empty_like(v, dtype=torch.float32), torch.empty_like(v, dtype=torch.float32)
+    for t in range(q.shape[1]):
+        S, delta[:, t] = gated_delta_step(S, k[:, t].float(), v[:, t].float(), g[:, t].float(),
+                                          beta[:, t].float())
+        o[:, t] = (S * q[:, t].float()[..., None]).sum(-2)
+    return o, delta
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """[N, N] bool, mask[i, j] = j is a proper ancestor of i."""
+    n = parents.numel()
+    mask = torch.zeros(n, n, dtype=torch.bool, device=parents.device)
+    for i, p in enumerate(parents.tolist()):
+        if p >= 0:
+            mask[i] = mask[p]
+            mask[i, p] = True
+    return mask
+
+
+def path_log_decay(g: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """G_i = g_i + G_parent(i): cumulative log decay along each root-to-node path."""
+    G = torch.empty_like(g, dtype=torch.float32)
+    for i, p in enumerate(parents.tolist()):
+        G[:, i] = g[:, i].float() + (G[:, p] if p >= 0 else 0.0)
+    return G
+
+
+def tree_verify_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                    beta: torch.Tensor, S0: torch.Tensor,
+                    parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tree-masked parallel form (the UT transform restricted to ancestors).
+
+        A_ij = beta_i exp(G_i - G_j) (k_i . k_j)      j a proper ancestor of i, else 0
+        U    = (I + A)^-1 (beta * (V - exp(G) * (K S0)))       rows of U are the deltas
+        O_i  = exp(G_i) q_i^T S0 + sum_{j in anc(i) + i} exp(G_i - G_j) (q_i . k_j) u_j
+
+    Entries between different branches are exactly zero, so each path sees only its own
+    ancestors, and no per-node state is ever formed.
+    """
+    q, k, v, beta, S0 = q.float(), k.float(), v.float(), beta.float(), S0.float()
+    n = q.shape[1]
+    anc = ancestor_mask(parents)
+    anc_or_self = anc | torch.eye(n, dtype=torch.bool, device=anc.device)
+    G = path_log_decay(g, parents).transpose(1, 2)                    # [B, H, N]
+    diff = G[..., :, None] - G[..., None, :]                          # G_i - G_j
+    decay = torch.where(anc_or_self, diff, torch.full_like(diff, float("-inf"))).exp()
+    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))               # [B, H, N, *]
+    bh = beta.transpose(1, 2)[..., None]                              # [B, H, N, 1]
+    A = bh * decay * (kh @ kh.transpose(-1, -2)) * anc                # strictly lower
+    rhs = bh * (vh - G.exp()[..., None] * (kh @ S0))
+    eye = torch.eye(n, dtype=A.dtype, device=A.device)
+    u = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+    o = G.exp()[..., None] * (qh @ S0) + (decay * (qh @ kh.transpose(-1, -2))) @ u
+    return o.transpose(1, 2), u.transpose(1, 2)
+
+
+def heavy_light_chains(parents: list[int]) -> list[list[int]]:
+    """Split a tree into chains by heavy-light decomposition.
+
+    Each node continues the chain of its parent when it is the parent's heavy child (the
+    child with the largest subtree, first one on ties); other children start new chains.
+    Chains come out in dependency order: a chain's head hangs off a chain listed earlier.
+    """
+    n = len(parents)
+    size = [1] * n
+    for i in range(n - 1, -1, -1):
+        if parents[i] >= 0:
+            size[parents[i]] += size[i]
+    heavy: dict[int, int] = {}
+    for i in range(n):
+        p = parents[i]
+        if p >= 0 and (p not in heavy or size[i] > size[heavy[p]]):
+            heavy[p] = i
+    chains: list[list[int]] = []
+    for i in range(n):
+        if parents[i] < 0 or heavy[parents[i]] != i:      # i starts a chain
+            chain = [i]
+            while chain[-1] in heavy:
+                chain.append(heavy[chain[-1]])
+            chains.append(chain)
+    chains.sort(key=lambda c: c[0])                      # heads in topological order
+    return chains
+
+
+def hybrid_verify_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                      beta: torch.Tensor, S0: torch.Tensor,
+                      parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Walk each heavy-light chain serially; keep a state only where a light edge leaves."""
+    plist = parents.tolist()
+    branch_points = {p for i, p in enumerate(plist) if p >= 0}
+    boundary: dict[int, torch.Tensor] = {}
+    o = torch.empty_like(v, dtype=torch.float32)
+    delta = torch.empty_like(v, dtype=torch.float32)
+    for chain in heavy_light_chains(plist):
+        head_parent = plist[chain[0]]
+        S = S0.float() if head_parent < 0 else boundary[head_parent]
+        for t in chain:
+            S, delta[:, t] = gated_delta_step(S, k[:, t].float(), v[:, t].float(),
+                                              g[:, t].float(), beta[:, t].float())
+            o[:, t] = (S * q[:, t].float()[..., None]).sum(-2)
+            if t in branch_points:
+                boundary[t] = S
+    return o, delta
+
+
+def commit_ref(S0: torch.Tensor, k: torch.Tensor, delta: torch.Tensor,
+               g: torch.Tensor) -> torch.Tensor:
+    """Rebuild the state after the path whose factors are given, one token at a time.
+
+    k [B, T, H, K], delta [B, T, H, V], g [B, T, H] in path order. Same operations as
+    `gated_delta_step`, so the result matches AR decoding to the last bit of the
+    recurrence itself.
+    """
+    S = S0.float()
+    for t in range(k.shape[1]):
+        S = S * g[:, t].float().exp()[..., None, None]
+        S = S + k[:, t].float()[..., :, None] * delta[:, t].float()[..., None, :]
+    return S
+
+
+VERIFY_REFERENCES = {
+    "tree": tree_verify_ref,
+    "hybrid": hybrid_verify_ref,
+}

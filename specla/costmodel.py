@@ -1,0 +1,33 @@
+"""Pick a verification mode from the draft's shape.
+
+The thresholds come from `benchmarks/results/verify_cost.json` (measured on the H200 by
+`python -m specla bench --suite kernels`); until a fit exists the defaults below are used:
+chains go to the state-resident chain kernel, deep narrow trees to the hybrid, wide trees to
+the tree-masked parallel form.
+"""
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+FIT_FILE = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "verify_cost.json"
+
+
+@lru_cache(maxsize=1)
+def _fit() -> dict:
+    try:
+        return json.loads(FIT_FILE.read_text()).get("auto_rule", {})
+    except (OSError, ValueError):
+        return {}
+
+
+def choose_mode(num_nodes: int, depth: int, is_chain: bool) -> str:
+    fit = _fit()
+    if is_chain:
+        return "chain" if num_nodes <= fit.get("chain_max_nodes", 64) else "tree"
+    # depth/size close to 1 means most nodes lie on one long chain: the hybrid walks it
+    # serially with few boundary states; bushy trees profit from the parallel form.
+    if depth + 1 >= fit.get("hybrid_min_depth_ratio", 0.5) * num_nodes:
+        return "hybrid"
+    return "tree"

@@ -1,0 +1,55 @@
+"""Which recurrence verifies a layer: chain, tree-masked parallel, or hybrid.
+
+On CPU tensors the plain-torch references in `kernels/reference.py` run; on CUDA the Triton
+kernels beside them (when importable). `auto` picks per step from the topology with the
+cost model in `specla.costmodel` (fitted to measurements on the GPU).
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels import reference
+
+MODES = ("auto", "chain", "tree", "hybrid")
+
+
+def resolve_mode(mode: str, topo) -> str:
+    """The concrete verification mode for this draft."""
+    if mode not in MODES:
+        raise ValueError(f"unknown verification mode {mode!r}; choose one of {', '.join(MODES)}")
+    tree = topo.tree
+    if mode == "chain" and not tree.is_chain:
+        raise ValueError("chain verification needs a chain draft; use tree, hybrid or auto for trees")
+    if mode != "auto":
+        return mode
+    from specla.costmodel import choose_mode
+    return choose_mode(len(tree), tree.depth, tree.is_chain)
+
+
+def verify_layer(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                 beta: torch.Tensor, S0: torch.Tensor, topo,
+                 pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Outputs and deltas of every node of `topo` for one layer.
+
+    The state S0 [B,H,K,V] is written only when `pending` (k, delta, g of accepted tokens
+    from the previous step, [B,P,...]) is given: those are folded into S0 in place first.
+    """
+    mode = resolve_mode(mode, topo)
+    if q.is_cuda:
+        from kernels import triton_verify  # imported lazily: CPU machines need no triton
+        return triton_verify.verify(mode, q, k, v, g, beta, S0, topo, pending=pending)
+    if pending is not None:
+        commit_layer(S0, *pending)
+    if mode == "chain":
+        return reference.chain_verify_ref(q, k, v, g, beta, S0)
+    return reference.VERIFY_REFERENCES[mode](q, k, v, g, beta, S0, topo.parents)
+
+
+def commit_layer(S: torch.Tensor, k: torch.Tensor, delta: torch.Tensor, g: torch.Tensor) -> None:
+    """Fold accepted factors (k [B,P,H,K], delta [B,P,H,V], g [B,P,H]) into S, in place."""
+    if S.is_cuda:
+        from kernels import triton_verify
+        triton_verify.commit(S, k, delta, g)
+    else:
+        S.copy_(reference.commit_ref(S, k, delta, g))
