@@ -1,0 +1,33 @@
+"""Shared test fixtures: tiny random-weight GDN targets whose logits are far from uniform."""
+from __future__ import annotations
+
+import torch
+
+from specla.config import GDNConfig
+from specla.model import GDNForCausalLM
+
+
+def random_target(vocab: int = 128, hidden: int = 64, layers: int = 2, heads: int = 2,
+                  head_dim: int = 16, expand_v: float = 2.0, seed: int = 0,
+                  std: float = 0.5) -> GDNForCausalLM:
+    torch.manual_seed(seed)
+    config = GDNConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                       num_heads=heads, head_dim=head_dim, expand_v=expand_v,
+                       intermediate_size=2 * hidden)
+    model = GDNForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # Large random weights give peaked logits (few near-ties) and fast-moving states.
+            torch.nn.init.normal_(p, std=0.3 if name.endswith(("A_log", "dt_bias")) else std)
+    return model
+
+
+def random_inputs(B: int, N: int, H: int, K: int, V: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(B, N, H, K, generator=g), dim=-1) * K ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(B, N, H, K, generator=g), dim=-1)
+    v = torch.randn(B, N, H, V, generator=g)
+    gate = -torch.rand(B, N, H, generator=g)
+    beta = torch.rand(B, N, H, generator=g)
+    S0 = torch.randn(B, H, K, V, generator=g)
+    return q, k, v, gate, beta, S0
