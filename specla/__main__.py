@@ -1,0 +1,5 @@
+import sys
+
+from specla.cli import main
+
+sys.exit(main())
