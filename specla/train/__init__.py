@@ -1,0 +1,1 @@
+"""Training entry points: `python -m specla.train corpus|tokenizer|target|card|drafter ...`."""
