@@ -50,9 +50,15 @@ def chain_verify_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return o, delta
 
 
+def is_chain(parents: torch.Tensor) -> bool:
+    return bool((parents == torch.arange(-1, parents.numel() - 1, device=parents.device)).all())
+
+
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """[N, N] bool, mask[i, j] = j is a proper ancestor of i."""
     n = parents.numel()
+    if is_chain(parents):   # long chains (prefill, training): no per-node loop
+        return torch.ones(n, n, dtype=torch.bool, device=parents.device).tril(-1)
     mask = torch.zeros(n, n, dtype=torch.bool, device=parents.device)
     for i, p in enumerate(parents.tolist()):
         if p >= 0:
@@ -63,6 +69,8 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
 
 def path_log_decay(g: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
     """G_i = g_i + G_parent(i): cumulative log decay along each root-to-node path."""
+    if is_chain(parents):
+        return g.float().cumsum(1)
     G = torch.empty_like(g, dtype=torch.float32)
     for i, p in enumerate(parents.tolist()):
         G[:, i] = g[:, i].float() + (G[:, p] if p >= 0 else 0.0)

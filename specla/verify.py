@@ -6,11 +6,25 @@ cost model in `specla.costmodel` (fitted to measurements on the GPU).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from kernels import reference
 
 MODES = ("auto", "chain", "tree", "hybrid")
+_kernels_enabled = True
+
+
+@contextlib.contextmanager
+def reference_only():
+    """Run the differentiable plain-torch references even on CUDA (training, debugging)."""
+    global _kernels_enabled
+    before, _kernels_enabled = _kernels_enabled, False
+    try:
+        yield
+    finally:
+        _kernels_enabled = before
 
 
 def resolve_mode(mode: str, topo) -> str:
@@ -36,7 +50,9 @@ def verify_layer(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     from the previous step, [B,P,...]) is given: those are folded into S0 in place first.
     """
     mode = resolve_mode(mode, topo)
-    if q.is_cuda:
+    # The Triton kernels are inference-only; with autograd on (training our plain-torch model
+    # on a GPU) the differentiable references run instead.
+    if q.is_cuda and _kernels_enabled and not torch.is_grad_enabled():
         from kernels import triton_verify  # imported lazily: CPU machines need no triton
         return triton_verify.verify(mode, q, k, v, g, beta, S0, topo, pending=pending)
     if pending is not None:

@@ -1,0 +1,522 @@
+"""Micro-benchmark of the verify / commit kernels at the GDN-1.3B head shape, on a GPU.
+
+    python kernels/bench_kernels.py --out DIR [--quick] [--layers 48]
+
+One layer: B=1, H=8, K=V=256, fp32 state (2 MiB). Every variant is captured in a CUDA
+graph that calls it once per layer over `--layers` distinct layer states (48 x 2 MiB, more
+than the H200's L2, so the state comes from HBM as in a real forward), replayed many times
+and timed with CUDA events; a sample is one replay divided by the layer count, i.e. the
+cost of the variant for one layer inside a graph. Timed, over draft sizes N = 1..64 (128):
+
+  verify   chain kernel | tree kernel | hybrid kernel  on chains and on trees
+           sequential replay: N one-token launches, each reading its parent's state from
+           HBM and writing a dense snapshot | dense snapshot: the walk writing N states
+  commit   factor commit of T accepted tokens vs token replay (T one-token steps that
+           recompute delta), T = 1..16
+  deferred fused fold + verify vs commit kernel then verify (P = 4)
+  memory   factor bytes vs dense snapshot bytes per node
+
+Writes DIR/kernels.json (every timing with median, min, max and sample count, plus kernel
+register/spill counts and a few correctness checks) and DIR/verify_cost.json (`auto_rule`
+for specla/costmodel.py, fitted from these timings, plus the raw timings), and prints a
+Markdown summary last. Each variant runs in its own try/except: a failure is recorded and
+the rest still run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kernels import reference  # noqa: E402
+
+B, H, K, V = 1, 8, 256, 256
+SIZES = (1, 2, 4, 8, 16, 32, 64)
+MAX_DRAFT_NODES = 256          # specla.tree.MAX_TREE_NODES: the largest draft the runtime takes
+
+
+# ---------------------------------------------------------------------------------------
+# Draft topologies (parent lists; tests/test_kernels.py uses these too)
+# ---------------------------------------------------------------------------------------
+
+def chain(n: int) -> list[int]:
+    return list(range(-1, n - 1))
+
+
+def wide_shallow(n: int, width: int = 8) -> list[int]:
+    """Root, up to `width` children, then grandchildren spread over them round-robin."""
+    level1 = list(range(1, min(n, width + 1)))
+    return [-1] + [0] * len(level1) + [level1[i % len(level1)] for i in range(n - 1 - len(level1))]
+
+
+def deep_narrow(n: int) -> list[int]:
+    """A long main chain with a 2-node side branch leaving every 4th node."""
+    parents, main = [-1], 0
+    while len(parents) < n:
+        parents.append(main)
+        main = len(parents) - 1
+        if main % 4 == 0 and len(parents) + 2 <= n:
+            parents += [main - 1, len(parents)]
+    return parents[:n]
+
+
+def random_tree(n: int, seed: int = 0) -> list[int]:
+    """Random recursive tree: each node picks a uniformly random earlier parent."""
+    rng = random.Random(seed)
+    return [-1] + [rng.randrange(i) for i in range(1, n)]
+
+
+TREES = {"random": random_tree, "wide": wide_shallow, "deep": deep_narrow}
+
+
+def depth_of(parents: list[int]) -> int:
+    depth = [0] * len(parents)
+    for i, p in enumerate(parents):
+        depth[i] = depth[p] + 1 if p >= 0 else 0
+    return max(depth)
+
+
+class Topo:
+    """What triton_verify reads from specla.model.Topology: tree.parents, parents, cache."""
+
+    def __init__(self, parents: list[int], device):
+        self.tree = type("Tree", (), {"parents": parents})()
+        self.parents = torch.tensor(parents, device=device)
+        self.cache: dict = {}
+
+
+# ---------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------
+
+def stats(samples: list[float]) -> dict:
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples),
+            "reps": len(samples)}
+
+
+def time_graph(call_layer, layers: int, repeats: int, replays: int) -> dict:
+    """Per-layer microseconds of `call_layer(l)` captured for l in range(layers), in one graph."""
+    call_layer(0)                            # compile, build caches (before capture)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call_layer(1 % layers)               # warm-up on a side stream, as capture wants
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(layers):
+            call_layer(layer)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    samples, rep_medians = [], []
+    for _ in range(repeats):
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(replays)]
+        for start, end in events:
+            start.record()
+            graph.replay()
+            end.record()
+        torch.cuda.synchronize()
+        rep = [1e3 * s.elapsed_time(e) / layers for s, e in events]
+        samples += rep
+        rep_medians.append(statistics.median(rep))
+    del graph
+    out = {"us": stats(samples), "repeat_medians_us": rep_medians}
+    return out
+
+
+def copy_bandwidth(device) -> dict:
+    """Device-to-device copy of 1 GiB, bytes read + written per second (GB/s)."""
+    n = 1 << 28
+    a = torch.empty(n, device=device)
+    b = torch.empty_like(a)
+    a.normal_()
+    samples = []
+    for _ in range(3):
+        b.copy_(a)
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        b.copy_(a)
+        end.record()
+        end.synchronize()
+        samples.append(2 * a.numel() * 4 / (start.elapsed_time(end) * 1e-3) / 1e9)
+    return stats(samples)
+
+
+# ---------------------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------------------
+
+def node_inputs(n: int, device, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    x = dict(q=F.normalize(torch.randn(B, n, H, K, generator=gen), dim=-1) * K ** -0.5,
+             k=F.normalize(torch.randn(B, n, H, K, generator=gen), dim=-1),
+             v=torch.randn(B, n, H, V, generator=gen),
+             g=-torch.rand(B, n, H, generator=gen), beta=torch.rand(B, n, H, generator=gen))
+    return {name: t.to(device) for name, t in x.items()}
+
+
+def factors(t: int, device, seed: int) -> tuple:
+    gen = torch.Generator().manual_seed(seed)
+    return (F.normalize(torch.randn(B, t, H, K, generator=gen), dim=-1).to(device),
+            (0.5 * torch.randn(B, t, H, V, generator=gen)).to(device),
+            (-torch.rand(B, t, H, generator=gen)).to(device))
+
+
+# ---------------------------------------------------------------------------------------
+# The benchmark
+# ---------------------------------------------------------------------------------------
+
+class Bench:
+    def __init__(self, args):
+        from kernels import triton_verify
+        self.tv = triton_verify
+        self.dev = torch.device("cuda")
+        self.layers = args.layers
+        self.repeats, self.replays = (3, 20) if args.quick else (5, 40)
+        self.states = torch.randn(self.layers, B, H, K, V, device=self.dev)
+        self.results: list[dict] = []
+        self.errors: list[dict] = []
+        self.t0 = time.time()
+
+    def log(self, msg: str) -> None:
+        print(f"[{time.time() - self.t0:7.1f}s] {msg}", flush=True)
+
+    def run(self, name: str, call_layer, **info) -> dict | None:
+        """Time one variant; record it (or its error) and return the record."""
+        label = f"{name} " + " ".join(f"{k}={v}" for k, v in info.items())
+        try:
+            timing = time_graph(call_layer, self.layers, self.repeats, self.replays)
+        except Exception as exc:                                   # keep going
+            self.errors.append({"name": name, **info, "error": f"{type(exc).__name__}: {exc}",
+                                "traceback": traceback.format_exc(limit=4)})
+            self.log(f"FAILED {label}: {type(exc).__name__}: {str(exc)[:300]}")
+            try:
+                torch.cuda.synchronize()
+            except Exception:          # a broken context fails every later variant too
+                pass
+            return None
+        record = {"name": name, **info, **timing}
+        self.results.append(record)
+        self.log(f"{label}: {timing['us']['median']:.2f} us/layer")
+        return record
+
+    # -- verification -------------------------------------------------------------------
+
+    def verify_variants(self, sizes) -> None:
+        tv = self.tv
+        for n in sizes:
+            x = node_inputs(n, self.dev, seed=n)
+            args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+            topos = {"chain": chain(n)}
+            if n >= 4:
+                topos.update({name: make(n) for name, make in TREES.items()})
+            for topo_name, parents in topos.items():
+                topo = Topo(parents, self.dev)
+                tv.prepare_topology(topo, self.dev)
+                info = dict(topology=topo_name, N=n, depth=depth_of(parents))
+                modes = ("chain", "tree", "hybrid") if topo_name == "chain" else ("tree", "hybrid")
+                for mode in modes:
+                    if mode == "tree" and n > tv.MAX_TREE_NODES:
+                        continue
+                    self.run(mode, lambda l, mode=mode, topo=topo: tv.verify(
+                        mode, *args, self.states[l], topo), **info)
+                if n > 64:
+                    continue
+                snaps = torch.empty(self.layers, n, B, H, K, V, device=self.dev)
+                self.run("sequential_replay", lambda l, parents=parents: tv.sequential_replay_verify(
+                    *args, self.states[l], parents, snapshots=snaps[l]), **info)
+                self.run("dense_snapshot", lambda l, topo=topo: tv.dense_snapshot_verify(
+                    *args, self.states[l], topo, snapshots=snaps[l]), **info)
+                del snaps
+
+    def walk_sweep(self, sizes=(16, 64)) -> None:
+        """Tile width and warps of the chain kernel (the defaults come from _walk_config)."""
+        tv = self.tv
+        for n in sizes:
+            x = node_inputs(n, self.dev, seed=n)
+            args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+            topo = Topo(chain(n), self.dev)
+            for bv in (16, 32, 64):
+                for warps in (1, 2, 4, 8):
+                    self.run("chain_sweep", lambda l, bv=bv, warps=warps: tv.verify(
+                        "chain", *args, self.states[l], topo, block_v=bv, num_warps=warps),
+                        topology="chain", N=n, block_v=bv, num_warps=warps)
+            for bv in (16, 32):
+                parents = random_tree(n)
+                ttopo = Topo(parents, self.dev)
+                self.run("tree_sweep", lambda l, bv=bv: tv.verify(
+                    "tree", *args, self.states[l], ttopo, block_v=bv),
+                    topology="random", N=n, depth=depth_of(parents), block_v=bv)
+
+    # -- commit -------------------------------------------------------------------------
+
+    def commit_variants(self, counts=range(1, 17)) -> None:
+        tv = self.tv
+        for t in counts:
+            kp, dp, gp = factors(t, self.dev, seed=t)
+            x = node_inputs(t, self.dev, seed=100 + t)
+            o = torch.empty(B, t, H, V, device=self.dev)
+            d = torch.empty_like(o)
+            self.run("factor_commit", lambda l: tv.commit(self.states[l], kp, dp, gp), T=t)
+
+            def replay(l, t=t):
+                for i in range(t):   # one-token steps in place, recomputing delta (and o)
+                    tv.token_step(self.states[l], self.states[l], x["q"], x["k"], x["v"],
+                                  x["g"], x["beta"], o, d, i)
+            self.run("token_replay", replay, T=t)
+
+    def deferred_variants(self, sizes=(8, 16), p=4) -> None:
+        tv = self.tv
+        kp, dp, gp = factors(p, self.dev, seed=7)
+        for n in sizes:
+            x = node_inputs(n, self.dev, seed=n)
+            args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+            for topo_name, parents in (("chain", chain(n)), ("random", random_tree(n))):
+                topo = Topo(parents, self.dev)
+                tv.prepare_topology(topo, self.dev)
+                modes = ("chain", "tree", "hybrid") if topo_name == "chain" else ("tree", "hybrid")
+                for mode in modes:
+                    info = dict(mode=mode, topology=topo_name, N=n, P=p)
+                    self.run("deferred", lambda l, mode=mode, topo=topo: tv.verify(
+                        mode, *args, self.states[l], topo, pending=(kp, dp, gp)), **info)
+
+                    def immediate(l, mode=mode, topo=topo):
+                        tv.commit(self.states[l], kp, dp, gp)
+                        tv.verify(mode, *args, self.states[l], topo)
+                    self.run("immediate", immediate, **info)
+
+    # -- correctness and resources ------------------------------------------------------
+
+    def checks(self) -> list[dict]:
+        """Relative error of each mode against the reference (fresh state, with pending)."""
+        tv, out = self.tv, []
+        for n in (16, 64):
+            for topo_name, parents in (("chain", chain(n)), ("random", random_tree(n)),
+                                       ("deep", deep_narrow(n))):
+                x = node_inputs(n, self.dev, seed=1000 + n)
+                pend = factors(4, self.dev, seed=n)
+                S0 = torch.randn(B, H, K, V, device=self.dev)
+                cpu = [x[k].cpu() for k in ("q", "k", "v", "g", "beta")]
+                S_ref = reference.commit_ref(S0.cpu(), *(t.cpu() for t in pend))
+                for mode in (("chain",) if topo_name == "chain" else ()) + ("tree", "hybrid"):
+                    try:
+                        S = S0.clone()
+                        o, d = tv.verify(mode, *(x[k] for k in ("q", "k", "v", "g", "beta")), S,
+                                         Topo(parents, self.dev), pending=pend)
+                        ref = (reference.chain_verify_ref(*cpu, S_ref) if mode == "chain" else
+                               reference.VERIFY_REFERENCES[mode](*cpu, S_ref, torch.tensor(parents)))
+                        err = {name: float((a.cpu().double() - b.double()).norm() / b.double().norm())
+                               for name, a, b in (("o", o, ref[0]), ("delta", d, ref[1]), ("state", S, S_ref))}
+                        out.append({"mode": mode, "topology": topo_name, "N": n, "rel_err": err})
+                    except Exception as exc:
+                        out.append({"mode": mode, "topology": topo_name, "N": n,
+                                    "error": f"{type(exc).__name__}: {exc}"})
+                    self.log(f"check {out[-1]}")
+        return out
+
+    def kernel_resources(self) -> list[dict]:
+        """Registers and spills of every compiled kernel variant (from Triton's cache)."""
+        rows = []
+        for name in ("_walk_kernel", "_tree_gram_kernel", "_tree_solve_kernel", "_commit_kernel",
+                     "_token_step_kernel"):
+            fn = getattr(self.tv, name)
+            try:
+                for cache in fn.device_caches.values():
+                    for kernel in cache[0].values():
+                        rows.append({"kernel": name, "n_regs": kernel.n_regs,
+                                     "n_spills": kernel.n_spills,
+                                     "num_warps": kernel.metadata.num_warps,
+                                     "shared": kernel.metadata.shared,
+                                     "constants": {fn.arg_names[k[0]]: str(v) for k, v in
+                                                   getattr(kernel.src, "constants", {}).items()}})
+            except Exception as exc:
+                rows.append({"kernel": name, "error": f"{type(exc).__name__}: {exc}"})
+        return rows
+
+
+def memory_rows() -> list[dict]:
+    """Bytes kept per draft node and layer: factors (k, delta, g fp32) vs a state snapshot."""
+    factor = H * (K + V + 1) * 4
+    dense = H * K * V * 4
+    return [{"per": "node-layer", "factor_bytes": factor, "dense_snapshot_bytes": dense,
+             "ratio": dense / factor},
+            {"per": "node (24 layers, GDN-1.3B)", "factor_bytes": 24 * factor,
+             "dense_snapshot_bytes": 24 * dense, "ratio": dense / factor,
+             "note": "factors exclude the short-conv inputs the runtime also keeps"}]
+
+
+# ---------------------------------------------------------------------------------------
+# The auto rule for specla/costmodel.py
+# ---------------------------------------------------------------------------------------
+
+def median_of(results, name, **match) -> float | None:
+    for r in results:
+        if r["name"] == name and all(r.get(k) == v for k, v in match.items()):
+            return r["us"]["median"]
+    return None
+
+
+def fit_auto_rule(results: list[dict], max_tree_nodes: int) -> dict:
+    """chain_max_nodes: chains up to this size use the chain kernel (it is no slower than
+    the tree kernel at every measured size up to it). hybrid_min_depth_ratio: trees with
+    depth + 1 >= ratio * N use the hybrid; the threshold minimises the total time lost over
+    the measured trees against always picking the faster of tree and hybrid."""
+    sizes = sorted({r["N"] for r in results if r["name"] == "chain" and r.get("topology") == "chain"})
+    chain_max, notes = 0, []
+    for n in sizes:
+        c, t = median_of(results, "chain", topology="chain", N=n), median_of(results, "tree", topology="chain", N=n)
+        if c is None:
+            break
+        if t is not None and c > t:
+            break
+        chain_max = n
+    if sizes and chain_max == sizes[-1]:
+        notes.append(f"chain kernel no slower than the tree kernel at every measured size "
+                     f"(up to {chain_max}); beyond {max_tree_nodes} the tree kernel cannot run, "
+                     f"so chain_max_nodes is set to the draft limit {MAX_DRAFT_NODES}")
+        chain_max = MAX_DRAFT_NODES
+    trees = []
+    for r in results:
+        if r["name"] == "tree" and r.get("topology") in TREES:
+            h = median_of(results, "hybrid", topology=r["topology"], N=r["N"])
+            if h is not None:
+                trees.append(((r["depth"] + 1) / r["N"], r["us"]["median"], h))
+    ratio = 0.5
+    if trees:
+        candidates = sorted({t[0] for t in trees} | {0.0, 1.01})
+        regret = lambda th: sum((h if r >= th else t) - min(t, h) for r, t, h in trees)  # noqa: E731
+        ratio = min(candidates, key=lambda th: (regret(th), th))
+        notes.append(f"hybrid_min_depth_ratio {ratio:.3f}: total regret {regret(ratio):.2f} us over "
+                     f"{len(trees)} trees (always tree: {regret(1.01):.2f}, always hybrid: {regret(0.0):.2f})")
+    return {"chain_max_nodes": int(chain_max), "hybrid_min_depth_ratio": float(round(ratio, 4)),
+            "notes": notes}
+
+
+# ---------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------
+
+def markdown(results: list[dict], auto_rule: dict) -> str:
+    def cell(name, **m):
+        v = median_of(results, name, **m)
+        return "-" if v is None else f"{v:.1f}"
+
+    lines = ["### verify, us per layer (median; H=8, K=V=256, graph, state from HBM)", "",
+             "| N | chain | tree | hybrid | seq replay | dense snap | tree (rand) | hybrid (rand) "
+             "| seq (rand) | dense (rand) | tree (wide) | hybrid (wide) | tree (deep) | hybrid (deep) |",
+             "|" + "---|" * 14]
+    for n in sorted({r["N"] for r in results if r["name"] == "chain" and "block_v" not in r}):
+        row = [str(n)] + [cell(m, topology="chain", N=n) for m in
+                          ("chain", "tree", "hybrid", "sequential_replay", "dense_snapshot")]
+        row += [cell(m, topology="random", N=n) for m in ("tree", "hybrid", "sequential_replay", "dense_snapshot")]
+        row += [cell(m, topology=t, N=n) for t in ("wide", "deep") for m in ("tree", "hybrid")]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "### commit, us per layer", "", "| T | factor commit | token replay | speedup |",
+              "|---|---|---|---|"]
+    for t in sorted({r["T"] for r in results if r["name"] == "factor_commit"}):
+        f, r = median_of(results, "factor_commit", T=t), median_of(results, "token_replay", T=t)
+        sp = f"{r / f:.2f}x" if f and r else "-"
+        lines.append(f"| {t} | {cell('factor_commit', T=t)} | {cell('token_replay', T=t)} | {sp} |")
+    lines += ["", "### deferred (fused fold + verify) vs immediate (commit, then verify), P=4", "",
+              "| mode | topology | N | deferred | immediate | speedup |", "|---|---|---|---|---|---|"]
+    for r in results:
+        if r["name"] == "deferred":
+            m = dict(mode=r["mode"], topology=r["topology"], N=r["N"])
+            i = median_of(results, "immediate", **m)
+            sp = f"{i / r['us']['median']:.2f}x" if i else "-"
+            lines.append(f"| {r['mode']} | {r['topology']} | {r['N']} | {r['us']['median']:.1f} "
+                         f"| {cell('immediate', **m)} | {sp} |")
+    sweep = [r for r in results if r["name"] == "chain_sweep"]
+    if sweep:
+        lines += ["", "### chain kernel tiles (best per N)", ""]
+        for n in sorted({r["N"] for r in sweep}):
+            best = min((r for r in sweep if r["N"] == n), key=lambda r: r["us"]["median"])
+            lines.append(f"- N={n}: block_v={best['block_v']} num_warps={best['num_warps']} "
+                         f"{best['us']['median']:.1f} us (default: {cell('chain', topology='chain', N=n)} us)")
+    lines += ["", f"auto_rule: chain_max_nodes={auto_rule['chain_max_nodes']}, "
+                  f"hybrid_min_depth_ratio={auto_rule['hybrid_min_depth_ratio']}"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, type=Path, help="directory for the JSON files")
+    parser.add_argument("--layers", type=int, default=48,
+                        help="distinct layer states rotated in each graph (48 x 2 MiB > L2)")
+    parser.add_argument("--quick", action="store_true", help="fewer replays (a smoke run)")
+    parser.add_argument("--skip", default="", help="comma list of sections to skip: "
+                        "checks,verify,sweep,commit,deferred")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_kernels.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    skip = set(filter(None, args.skip.split(",")))
+    bench = Bench(args)
+    import triton
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "B": B, "H": H, "K": K, "V": V,
+            "layers_per_graph": args.layers, "repeats": bench.repeats, "replays": bench.replays,
+            "unit": "microseconds per layer (one graph replay / layers)",
+            "state_bytes_per_layer": B * H * K * V * 4}
+    try:
+        meta["copy_GBps"] = copy_bandwidth(bench.dev)
+        meta["state_read_floor_us"] = meta["state_bytes_per_layer"] / (meta["copy_GBps"]["median"] * 1e3)
+        bench.log(f"device copy {meta['copy_GBps']['median']:.0f} GB/s; reading one layer's state "
+                  f"takes >= {meta['state_read_floor_us']:.2f} us")
+    except Exception as exc:
+        meta["copy_GBps_error"] = str(exc)
+    sections = [("checks", lambda: meta.__setitem__("checks", bench.checks())),
+                ("verify", lambda: bench.verify_variants(SIZES + (128,))),
+                ("commit", bench.commit_variants),
+                ("deferred", bench.deferred_variants),
+                ("sweep", bench.walk_sweep)]
+    for name, section in sections:
+        if name in skip:
+            continue
+        bench.log(f"== {name}")
+        try:
+            section()
+        except Exception as exc:
+            bench.errors.append({"section": name, "error": f"{type(exc).__name__}: {exc}",
+                                 "traceback": traceback.format_exc(limit=6)})
+            bench.log(f"section {name} FAILED: {exc}")
+    auto_rule = fit_auto_rule(bench.results, bench.tv.MAX_TREE_NODES)
+    report = {"meta": meta, "results": bench.results, "memory": memory_rows(),
+              "kernels": bench.kernel_resources(), "errors": bench.errors}
+    (args.out / "kernels.json").write_text(json.dumps(report, indent=1))
+    cost = {"auto_rule": {k: auto_rule[k] for k in ("chain_max_nodes", "hybrid_min_depth_ratio")},
+            "notes": auto_rule["notes"], "meta": meta,
+            "timings": [{k: r[k] for k in ("name", "topology", "N", "depth", "us") if k in r}
+                        for r in bench.results if r["name"] in ("chain", "tree", "hybrid")]}
+    (args.out / "verify_cost.json").write_text(json.dumps(cost, indent=1))
+    bench.log(f"wrote {args.out / 'kernels.json'} and {args.out / 'verify_cost.json'}; "
+              f"{len(bench.results)} timings, {len(bench.errors)} errors")
+    mem = memory_rows()[0]
+    print(f"\nmemory per node and layer: factors {mem['factor_bytes']} B vs dense snapshot "
+          f"{mem['dense_snapshot_bytes']} B ({mem['ratio']:.0f}x)")
+    for e in bench.errors:
+        print(f"ERROR {e.get('name', e.get('section'))}: {e['error'][:200]}")
+    print()
+    print(markdown(bench.results, auto_rule))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

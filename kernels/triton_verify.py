@@ -1,0 +1,650 @@
+"""Triton kernels that verify draft chains and trees against a Gated DeltaNet state.
+
+Each kernel computes what a plain-torch reference in `kernels/reference.py` computes:
+
+    verify("chain")   `_walk_kernel` (SCHEDULED=False)             chain_verify_ref
+    verify("hybrid")  `_walk_kernel` (SCHEDULED=True), per wave     hybrid_verify_ref
+    verify("tree")    `_tree_gram_kernel` + `_tree_solve_kernel`    tree_verify_ref
+    commit()          `_commit_kernel`                              commit_ref
+
+Shapes as in the references: q, k [B,N,H,K]; v [B,N,H,V]; g, beta [B,N,H]; S0 [B,H,K,V]
+fp32, key-first. All math is fp32 (inputs of other dtypes are upcast on load). The verify
+kernels return (o, delta) [B,N,H,V] fp32 and never write S0, except to fold a `pending`
+deferred commit (k_p [B,P,H,K], delta_p [B,P,H,V], g_p [B,P,H]) into it first.
+
+Why tiles over V: the recurrence is independent per value column (delta_t[:, c] depends
+only on column c of the state), so a program can own a [K, BV] slice of one head's state
+in registers (a whole GDN-1.3B head is 256 KiB fp32, more than an SM's shared memory)
+and walk every token, and one head spreads over many SMs.
+
+After a topology's first call (or `prepare_topology`) the per-call path does no host
+work that waits on the device (no .item(), .tolist(), .cpu()), so it can be captured in a
+CUDA graph. Tree mode reads the parents from `topo.parents` on the device, so even a graph
+captured for one tree size can replay with other trees of that size written into the same
+tensor; the hybrid's launch grid depends on the tree's shape, so its schedule is built on
+the host once per topology and kept in `topo.cache`.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.reference import heavy_light_chains
+
+MODES = ("chain", "tree", "hybrid")
+MAX_TREE_NODES = 128        # the tree kernels hold [N, N] matrices in registers
+MAX_K, MAX_V = 256, 512     # a [K, BV] state tile lives in registers; V is tiled
+# fp32 products of the tree kernels. Triton's default for an fp32 tl.dot on a GPU is tf32
+# (~1e-3 relative error, too coarse to match the serial recurrence); "ieee" is plain fp32
+# FMA ("tf32x3" is near-fp32 on tensor cores but used more registers in ptxas reports).
+DOT_PRECISION = "ieee"
+
+
+# ---------------------------------------------------------------------------------------
+# Shared pieces
+# ---------------------------------------------------------------------------------------
+
+@triton.jit
+def _fold_pending(h, kp, dp, gp, i_b, i_h, P, o_k, o_v,
+                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """Apply P accepted rank-1 updates to a state tile h [BK, BV], in order.
+
+    o_k [BK, 1] and o_v [1, BV] index the tile's key rows and value columns. Same
+    operations as `commit_ref`: S = exp(g) S, then S = S + k delta^T. Rows of the state
+    are independent here, so a tile may cover any subset of K.
+    """
+    for t in range(P):
+        row = (i_b * P + t) * H + i_h
+        h = h * tl.exp(tl.load(gp + row).to(tl.float32))
+        b_k = tl.load(kp + row * K + o_k).to(tl.float32)        # [BK, 1]
+        b_d = tl.load(dp + row * V + o_v).to(tl.float32)        # [1, BV]
+        h = h + b_k * b_d
+    return h
+
+
+@triton.jit
+def _load_token(q, k, v, g, beta, row, o_k, o_v, mask, K: tl.constexpr, V: tl.constexpr):
+    """One token's q, k [K, 1], v [1, BV] and g, beta scalars, as fp32 (zeros if masked)."""
+    b_q = tl.load(q + row * K + o_k, mask=mask, other=0.).to(tl.float32)
+    b_k = tl.load(k + row * K + o_k, mask=mask, other=0.).to(tl.float32)
+    b_v = tl.load(v + row * V + o_v, mask=mask, other=0.).to(tl.float32)
+    b_g = tl.load(g + row, mask=mask, other=0.).to(tl.float32)
+    b_beta = tl.load(beta + row, mask=mask, other=0.).to(tl.float32)
+    return b_q, b_k, b_v, b_g, b_beta
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def _check_inputs(q, k, v, g, beta, S0, pending) -> tuple[int, int, int, int, int, int]:
+    """Shapes, dtypes and devices (host metadata only, no device sync). Returns B,N,H,K,V,P."""
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, N, H, K], got shape {tuple(q.shape)}")
+    B, N, H, K = q.shape
+    V = v.shape[-1]
+    expected = {"k": (k, (B, N, H, K)), "v": (v, (B, N, H, V)), "g": (g, (B, N, H)),
+                "beta": (beta, (B, N, H)), "S0": (S0, (B, H, K, V))}
+    P = 0
+    if pending is not None:
+        if len(pending) != 3:
+            raise ValueError("pending must be a tuple (k_p [B,P,H,K], delta_p [B,P,H,V], g_p [B,P,H])")
+        P = pending[0].shape[1] if pending[0].dim() == 4 else -1
+        expected.update({"pending k": (pending[0], (B, P, H, K)),
+                         "pending delta": (pending[1], (B, P, H, V)),
+                         "pending g": (pending[2], (B, P, H))})
+    for name, (t, shape) in expected.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {shape} "
+                             f"(from q [B, N, H, K] = {tuple(q.shape)})")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if not _is_pow2(K) or not 16 <= K <= MAX_K:
+        raise ValueError(f"key head dim K={K} must be a power of two in [16, {MAX_K}]")
+    if not _is_pow2(V) or not 16 <= V <= MAX_V:
+        raise ValueError(f"value head dim V={V} must be a power of two in [16, {MAX_V}]")
+    if S0.dtype != torch.float32:
+        raise ValueError(f"the state S0 must be float32, got {S0.dtype}")
+    if N == 0:
+        raise ValueError("nothing to verify: N = 0 nodes")
+    return B, N, H, K, V, P
+
+
+def _contig(*ts):
+    return [t.contiguous() for t in ts]
+
+
+def _walk_config(rows: int, K: int, V: int, block_v: int | None = None,
+                 num_warps: int | None = None) -> tuple[int, int]:
+    """Tile width and warps for the serial walk kernels (chain, hybrid, commit, baselines).
+
+    A walk is latency-bound at batch 1 (every token waits on the previous one), so prefer
+    narrow tiles that spread one head over many SMs: the widest BV that still gives ~128
+    programs (an H200 has 132 SMs), and ~32 state floats per thread.
+    """
+    if block_v is None:
+        block_v = 16
+        for bv in (64, 32):   # K * BV <= 8192: a 256 x 64 tile spills (ptxas, sm_90)
+            if bv <= V and K * bv <= 8192 and rows * (V // bv) >= 128:
+                block_v = bv
+                break
+    block_v = min(block_v, V)
+    if num_warps is None:
+        num_warps = max(1, min(8, K * block_v // 1024))
+    return block_v, num_warps
+
+
+# ---------------------------------------------------------------------------------------
+# Chain and hybrid: the state-resident serial walk
+#   reference: chain_verify_ref, hybrid_verify_ref
+# ---------------------------------------------------------------------------------------
+
+# Sizes are not specialised on (Triton would otherwise compile separate variants for
+# N == 1 and N % 16 == 0): one compiled kernel serves every draft size.
+@triton.jit(do_not_specialize=["P", "chain_start", "max_len", "N"])
+def _walk_kernel(
+    q, k, v, g, beta, S, o, delta,
+    stride_sb, stride_sh, stride_sk, stride_sv,
+    kp, dp, gp, P,                                        # pending factors (HAS_PENDING)
+    chain_nodes, chain_len, chain_src, node_slot, scratch, chain_start, max_len,  # SCHEDULED
+    N, B: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    SCHEDULED: tl.constexpr, HAS_PENDING: tl.constexpr,
+):
+    """One program = one (batch, head, V tile) of one chain; walks the chain's tokens.
+
+    Chain mode (SCHEDULED=False): the chain is nodes 0..N-1 and starts from S.
+    Hybrid (SCHEDULED=True): program_id(2) picks a chain of this wave from the schedule;
+    it starts from S (head hangs off the root state) or from a boundary state in
+    `scratch`, and writes the state after every node that has a slot (a node with a light
+    child) back to `scratch` for the next wave. S itself is written only by the pending
+    fold, once, before any token.
+    """
+    i_v, i_bh, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    # Vectors are kept 2-D, k/q as [K, 1] columns and v/o/delta as [1, BV] rows, so they
+    # are loaded straight into the state tile's layout (no layout shuffle per token).
+    o_k = tl.arange(0, K)[:, None]
+    o_v = i_v * BV + tl.arange(0, BV)[None, :]
+    p_S = S + i_b * stride_sb + i_h * stride_sh + o_k * stride_sk + o_v * stride_sv
+    # scratch is [slots, B, H, K, V] contiguous; offset of this program's tile in slot 0
+    o_tile = (i_b * H + i_h).to(tl.int64) * K * V + o_k * V + o_v
+
+    if SCHEDULED:
+        c = chain_start + i_c
+        length = tl.load(chain_len + c)
+        src = tl.load(chain_src + c)
+        if src >= 0:
+            h = tl.load(scratch + src.to(tl.int64) * B * H * K * V + o_tile)
+        else:
+            h = tl.load(p_S)
+    else:
+        length = N
+        h = tl.load(p_S)
+
+    if HAS_PENDING:
+        # deferred commit: fold the accepted factors, write the state once, verify from it
+        h = _fold_pending(h, kp, dp, gp, i_b, i_h, P, o_k, o_v, H, K, V)
+        tl.store(p_S, h)
+
+    if SCHEDULED:
+        n = tl.load(chain_nodes + c * max_len)
+        row = (i_b * N + n) * H + i_h
+    else:
+        row = i_b * N * H + i_h
+    b_q, b_k, b_v, b_g, b_beta = _load_token(q, k, v, g, beta, row, o_k, o_v, length > 0, K, V)
+    for t in range(length):
+        # Prefetch the next token: its loads do not depend on the state, so they overlap
+        # this token's arithmetic instead of stalling the next iteration.
+        has_next = t + 1 < length
+        if SCHEDULED:
+            slot = tl.load(node_slot + n)
+            n = tl.load(chain_nodes + c * max_len + t + 1, mask=has_next, other=0)
+            row_next = (i_b * N + n) * H + i_h
+        else:
+            row_next = (i_b * N + t + 1) * H + i_h
+        n_q, n_k, n_v, n_g, n_beta = _load_token(q, k, v, g, beta, row_next, o_k, o_v, has_next, K, V)
+        # the same steps as gated_delta_step, on this tile's value columns
+        h = h * tl.exp(b_g)
+        b_d = b_beta * (b_v - tl.sum(h * b_k, 0, keep_dims=True))
+        h = h + b_k * b_d
+        b_o = tl.sum(h * b_q, 0, keep_dims=True)
+        tl.store(o + row * V + o_v, b_o)
+        tl.store(delta + row * V + o_v, b_d)
+        if SCHEDULED:
+            if slot >= 0:
+                tl.store(scratch + slot.to(tl.int64) * B * H * K * V + o_tile, h)
+        row = row_next
+        b_q, b_k, b_v, b_g, b_beta = n_q, n_k, n_v, n_g, n_beta
+
+
+def _strides(S: torch.Tensor) -> tuple[int, int, int, int]:
+    return S.stride(0), S.stride(1), S.stride(2), S.stride(3)
+
+
+def _pending_args(pending, like: torch.Tensor):
+    if pending is None or pending[0].shape[1] == 0:
+        return like, like, like, 0, False
+    kp, dp, gp = _contig(*pending)
+    return kp, dp, gp, kp.shape[1], True
+
+
+def _chain_verify(q, k, v, g, beta, S0, pending, o, delta, block_v=None, num_warps=None):
+    B, N, H, K = q.shape
+    V = v.shape[-1]
+    BV, warps = _walk_config(B * H, K, V, block_v, num_warps)
+    kp, dp, gp, P, has_pending = _pending_args(pending, q)
+    _walk_kernel[(V // BV, B * H, 1)](
+        q, k, v, g, beta, S0, o, delta, *_strides(S0),
+        kp, dp, gp, P,
+        q, q, q, q, q, 0, 0,                              # no schedule
+        N, B=B, H=H, K=K, V=V, BV=BV, SCHEDULED=False, HAS_PENDING=has_pending,
+        num_warps=warps)
+
+
+class HybridSchedule:
+    """Heavy-light chains of one tree, grouped into dependency waves, as device tensors.
+
+    chain_nodes [C, L] int32: each chain's nodes (padded with -1), chains sorted by wave
+    chain_len   [C] int32
+    chain_src   [C] int32: boundary slot the chain starts from, -1 = the root state S0
+    node_slot   [N] int32: slot a node's state is written to, -1 = none
+    waves       host list of (first chain, number of chains): one launch each
+    """
+
+    def __init__(self, parents: list[int], device, every_node: bool = False):
+        n = len(parents)
+        chains = heavy_light_chains(parents)
+        chain_of = {node: c for c, chain in enumerate(chains) for node in chain}
+        wave = []
+        for chain in chains:             # dependency order: a head's parent chain is earlier
+            p = parents[chain[0]]
+            wave.append(0 if p < 0 else wave[chain_of[p]] + 1)
+        # Boundary states: only where a light edge leaves (the parent of a chain head).
+        # every_node=True writes every node's state instead: the dense-snapshot baseline.
+        if every_node:
+            slot_nodes = list(range(n))
+        else:
+            slot_nodes = sorted({parents[ch[0]] for ch in chains if parents[ch[0]] >= 0})
+        node_slot = [-1] * n
+        for s, node in enumerate(slot_nodes):
+            node_slot[node] = s
+        order = sorted(range(len(chains)), key=lambda c: (wave[c], chains[c][0]))
+        self.max_len = max(len(c) for c in chains)
+        rows = [chains[c] + [-1] * (self.max_len - len(chains[c])) for c in order]
+        src = [node_slot[parents[chains[c][0]]] if parents[chains[c][0]] >= 0 else -1 for c in order]
+        self.num_slots = len(slot_nodes)
+        self.num_chains = len(chains)
+        sorted_waves = [wave[c] for c in order]
+        self.waves = [(sorted_waves.index(w), sorted_waves.count(w)) for w in sorted(set(wave))]
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+        self.chain_nodes = as_tensor(rows)
+        self.chain_len = as_tensor([len(chains[c]) for c in order])
+        self.chain_src = as_tensor(src)
+        self.node_slot = as_tensor(node_slot)
+
+
+def hybrid_schedule(topo, device, every_node: bool = False) -> HybridSchedule:
+    """The topology's hybrid schedule, built on the host once and cached in `topo.cache`."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:   # "cuda" and "cuda:0": one entry
+        device = torch.device("cuda", torch.cuda.current_device())
+    # The parents are part of the entry, so a topology whose tree is swapped in place (as
+    # specla.cuda_graphs' SpecTopology.load does) gets a fresh schedule, never a stale one.
+    # A graph captured in hybrid mode stays bound to the schedule it was captured with.
+    key = ("triton_hybrid", str(device), every_node)
+    parents = tuple(topo.tree.parents)
+    entry = topo.cache.get(key)
+    if entry is None or entry[0] != parents:
+        entry = topo.cache[key] = (parents, HybridSchedule(list(parents), device, every_node))
+    return entry[1]
+
+
+def prepare_topology(topo, device) -> None:
+    """Build what the kernels cache per topology now (do this before CUDA-graph capture)."""
+    hybrid_schedule(topo, device)
+
+
+def _hybrid_verify(q, k, v, g, beta, S0, sched: HybridSchedule, pending, o, delta,
+                   block_v=None, num_warps=None, scratch=None):
+    B, N, H, K = q.shape
+    V = v.shape[-1]
+    BV, warps = _walk_config(B * H, K, V, block_v, num_warps)
+    # The deferred commit rides on the first wave when that wave is one chain (always so for
+    # a DraftTree: only node 0 hangs off S0). Several chains reading S0 would race on the
+    # write-back, so then fold first with the commit kernel.
+    fuse = pending is not None and sched.waves[0][1] == 1
+    if pending is not None and not fuse:
+        commit(S0, *pending)
+    kp, dp, gp, P, has_pending = _pending_args(pending if fuse else None, q)
+    if scratch is None:
+        scratch = torch.empty((max(sched.num_slots, 1), B, H, K, V), device=q.device,
+                              dtype=torch.float32)
+    for w, (start, count) in enumerate(sched.waves):
+        _walk_kernel[(V // BV, B * H, count)](
+            q, k, v, g, beta, S0, o, delta, *_strides(S0),
+            kp, dp, gp, P,
+            sched.chain_nodes, sched.chain_len, sched.chain_src, sched.node_slot, scratch,
+            start, sched.max_len,
+            N, B=B, H=H, K=K, V=V, BV=BV, SCHEDULED=True, HAS_PENDING=has_pending and w == 0,
+            num_warps=warps)
+    return scratch
+
+
+# ---------------------------------------------------------------------------------------
+# Tree: the tree-masked parallel (UT) form
+#   reference: tree_verify_ref
+#     A_ij = beta_i exp(G_i - G_j) (k_i . k_j)   j a proper ancestor of i
+#     U    = (I + A)^-1 (beta * (V - exp(G) * (K S0)))
+#     O_i  = exp(G_i) q_i^T S0 + sum_{j in anc(i) + i} exp(G_i - G_j) (q_i . k_j) u_j
+# ---------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["N"])
+def _tree_gram_kernel(
+    q, k, g, beta, parents, A, Pm, Gout, N,
+    H: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Per (batch, head): the [BN, BN] matrices A and P = decay * (Q K^T), and G.
+
+    The ancestor mask comes from the parent pointers on the device: each node climbs
+    to the root one parent per iteration (depth iterations), marking ancestors and
+    summing their log decays, so a graph replays with any tree written into `parents`.
+    """
+    i_bh = tl.program_id(0)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_n = tl.arange(0, BN)
+    m_n = o_n < N
+    rows = (i_b * N + o_n) * H + i_h
+
+    b_g = tl.load(g + rows, mask=m_n, other=0.).to(tl.float32)
+    G = b_g                                                  # G_i = g_i + G_parent(i)
+    anc = o_n[:, None] == o_n[None, :]                       # ancestor-or-self
+    cur = tl.load(parents + o_n, mask=m_n, other=-1).to(tl.int32)
+    climbed = 0
+    while (tl.max(cur, 0) >= 0) & (climbed < N):          # bounded even for a bad tree
+        climbed += 1
+        up = cur >= 0
+        anc = anc | (cur[:, None] == o_n[None, :])
+        G += tl.load(g + (i_b * N + cur) * H + i_h, mask=up, other=0.).to(tl.float32)
+        cur = tl.load(parents + cur, mask=up, other=-1).to(tl.int32)
+
+    # exp only where masked in: G_i - G_j between branches can be large and positive
+    decay = tl.where(anc, tl.exp(tl.where(anc, G[:, None] - G[None, :], 0.)), 0.)
+    b_beta = tl.load(beta + rows, mask=m_n, other=0.).to(tl.float32)
+    o_nn = i_bh.to(tl.int64) * BN * BN + o_n[:, None] * BN + o_n[None, :]
+
+    # Gram matrices over the key dim, one after the other to keep one [BN, BN] accumulator
+    # live (fewer registers)
+    kk = tl.zeros([BN, BN], dtype=tl.float32)
+    for i_k in range(K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+        kk += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
+    strict = anc & (o_n[:, None] != o_n[None, :])
+    tl.store(A + o_nn, tl.where(strict, b_beta[:, None] * decay * kk, 0.))
+
+    qk = tl.zeros([BN, BN], dtype=tl.float32)
+    for i_k in range(K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+        qk += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
+    tl.store(Pm + o_nn, decay * qk)
+    tl.store(Gout + i_bh * BN + o_n, G)
+
+
+@triton.jit(do_not_specialize=["P", "N"])
+def _tree_solve_kernel(
+    q, k, v, beta, S, o, delta, A, Pm, Gin,
+    stride_sb, stride_sh, stride_sk, stride_sv,
+    kp, dp, gp, P, N,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Per (batch, head, V tile): right-hand side, forward substitution, outputs.
+
+    The solve is per value column, so V tiles are independent; no per-node state is
+    formed. With HAS_PENDING the state tile is folded and written back chunk by chunk
+    over K (state rows are independent under a rank-1 update), then used.
+    """
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_n = tl.arange(0, BN)
+    m_n = o_n < N
+    rows = (i_b * N + o_n) * H + i_h
+    o_v = i_v * BV + tl.arange(0, BV)
+
+    ks = tl.zeros([BN, BV], dtype=tl.float32)               # K S0
+    qs = tl.zeros([BN, BV], dtype=tl.float32)               # Q S0
+    for i_k in range(K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        p_S = S + i_b * stride_sb + i_h * stride_sh + o_k[:, None] * stride_sk + o_v[None, :] * stride_sv
+        b_S = tl.load(p_S)
+        if HAS_PENDING:
+            b_S = _fold_pending(b_S, kp, dp, gp, i_b, i_h, P, o_k[:, None], o_v[None, :], H, K, V)
+            tl.store(p_S, b_S)
+        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+        ks += tl.dot(b_k, b_S, input_precision=DOT_PRECISION)
+        qs += tl.dot(b_q, b_S, input_precision=DOT_PRECISION)
+
+    G = tl.load(Gin + i_bh * BN + o_n)
+    eG = tl.exp(G)
+    b_beta = tl.load(beta + rows, mask=m_n, other=0.).to(tl.float32)
+    b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+    u = b_beta[:, None] * (b_v - eG[:, None] * ks)
+
+    # (I + A) U = rhs, A strictly lower: u_i = rhs_i - sum_{j<i} A_ij u_j, rows in order.
+    # Row i of A is read from memory (written by the gram kernel; the next row is fetched
+    # while this one computes) rather than extracted from registers; rows j < i of u are
+    # final when row i is computed.
+    p_A = A + i_bh.to(tl.int64) * BN * BN
+    a_next = tl.load(p_A + BN + o_n, mask=N > 1, other=0.)
+    for i in range(1, N):
+        a = a_next
+        a_next = tl.load(p_A + (i + 1) * BN + o_n, mask=i + 1 < N, other=0.)   # prefetch
+        sel = o_n == i
+        u_i = tl.sum((tl.where(sel, 1., 0.) - a)[:, None] * u, 0)
+        u = tl.where(sel[:, None], u_i[None, :], u)
+
+    o_nn = i_bh.to(tl.int64) * BN * BN + o_n[:, None] * BN + o_n[None, :]
+    b_P = tl.load(Pm + o_nn)
+    b_o = eG[:, None] * qs + tl.dot(b_P, u, input_precision=DOT_PRECISION)
+    m_out = m_n[:, None]
+    tl.store(o + rows[:, None] * V + o_v[None, :], b_o, mask=m_out)
+    tl.store(delta + rows[:, None] * V + o_v[None, :], u, mask=m_out)
+
+
+def _tree_config(N: int, K: int, V: int, block_v: int | None = None) -> dict:
+    """Tiles and warps of the two tree kernels, chosen from ptxas reports for sm_90 (no
+    spills up to BN=64 at K=256; BN=128's gram kernel spills a few hundred bytes).
+    Narrow V tiles (16) give the solve kernel more programs: its row loop is serial."""
+    BN = max(16, triton.next_power_of_2(N))
+    return dict(BN=BN, BK_gram=min(K, 32 if BN <= 16 else 16),
+                warps_gram={16: 4, 32: 8}.get(BN, 16),
+                BK=min(K, 32), BV=min(V, block_v or 16),
+                warps_solve={16: 4, 32: 8, 64: 8}.get(BN, 16))
+
+
+def _tree_verify(q, k, v, g, beta, S0, parents, pending, o, delta, block_v=None):
+    B, N, H, K = q.shape
+    V = v.shape[-1]
+    if N > MAX_TREE_NODES:
+        raise ValueError(f"tree verification holds [N, N] tiles on chip: N={N} nodes exceeds "
+                         f"{MAX_TREE_NODES}; use hybrid for larger trees")
+    if parents.shape != (N,) or parents.device != q.device:
+        raise ValueError(f"topo.parents must be a [{N}] tensor on {q.device}, got "
+                         f"{tuple(parents.shape)} on {parents.device}")
+    cfg = _tree_config(N, K, V, block_v)
+    BN = cfg["BN"]
+    A = torch.empty((B * H, BN, BN), device=q.device, dtype=torch.float32)
+    Pm = torch.empty_like(A)
+    G = torch.empty((B * H, BN), device=q.device, dtype=torch.float32)
+    _tree_gram_kernel[(B * H,)](q, k, g, beta, parents, A, Pm, G, N,
+                                H=H, K=K, BN=BN, BK=cfg["BK_gram"], DOT_PRECISION=DOT_PRECISION,
+                                num_warps=cfg["warps_gram"])
+    kp, dp, gp, P, has_pending = _pending_args(pending, q)
+    _tree_solve_kernel[(V // cfg["BV"], B * H)](
+        q, k, v, beta, S0, o, delta, A, Pm, G, *_strides(S0),
+        kp, dp, gp, P, N,
+        H=H, K=K, V=V, BN=BN, BK=cfg["BK"], BV=cfg["BV"], HAS_PENDING=has_pending,
+        DOT_PRECISION=DOT_PRECISION, num_warps=cfg["warps_solve"])
+
+
+# ---------------------------------------------------------------------------------------
+# Commit: fold accepted factors into the state
+#   reference: commit_ref
+# ---------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["P"])
+def _commit_kernel(S, stride_sb, stride_sh, stride_sk, stride_sv, kp, dp, gp, P,
+                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    """One program per (batch, head, V tile): load the tile, P serial updates, store once."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_k = tl.arange(0, K)[:, None]
+    o_v = i_v * BV + tl.arange(0, BV)[None, :]
+    p_S = S + i_b * stride_sb + i_h * stride_sh + o_k * stride_sk + o_v * stride_sv
+    h = _fold_pending(tl.load(p_S), kp, dp, gp, i_b, i_h, P, o_k, o_v, H, K, V)
+    tl.store(p_S, h)
+
+
+def commit(S: torch.Tensor, k: torch.Tensor, delta: torch.Tensor, g: torch.Tensor, *,
+           block_v: int | None = None, num_warps: int | None = None) -> None:
+    """Fold T accepted factors (k [B,T,H,K], delta [B,T,H,V], g [B,T,H]) into S in place."""
+    if S.dim() != 4:
+        raise ValueError(f"S must be [B, H, K, V], got shape {tuple(S.shape)}")
+    B, H, K, V = S.shape
+    T = k.shape[1] if k.dim() == 4 else -1
+    for name, t, shape in (("k", k, (B, T, H, K)), ("delta", delta, (B, T, H, V)), ("g", g, (B, T, H))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"commit: {name} has shape {tuple(t.shape)}, expected {shape}")
+        if t.device != S.device:
+            raise ValueError(f"commit: {name} is on {t.device} but S is on {S.device}")
+    if not _is_pow2(K) or not 16 <= K <= MAX_K or not _is_pow2(V) or not 16 <= V <= MAX_V:
+        raise ValueError(f"commit: K={K} must be a power of two in [16, {MAX_K}] and V={V} "
+                         f"one in [16, {MAX_V}]")
+    if S.dtype != torch.float32:
+        raise ValueError(f"commit: the state must be float32, got {S.dtype}")
+    if T == 0:
+        return
+    BV, warps = _walk_config(B * H, K, V, block_v, num_warps)
+    k, delta, g = _contig(k, delta, g)
+    _commit_kernel[(V // BV, B * H)](S, *_strides(S), k, delta, g, T,
+                                     H=H, K=K, V=V, BV=BV, num_warps=warps)
+
+
+# ---------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------
+
+def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+           beta: torch.Tensor, S0: torch.Tensor, topo,
+           pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *,
+           out: tuple[torch.Tensor, torch.Tensor] | None = None,
+           block_v: int | None = None, num_warps: int | None = None,
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Outputs and deltas [B,N,H,V] fp32 of every node of `topo` for one layer.
+
+    mode: "chain" (nodes 0..N-1 form a chain; `topo` is not read), "tree" (reads
+    `topo.parents` on the device) or "hybrid" (reads/creates the schedule in `topo.cache`).
+    pending: accepted factors of the previous step, folded into S0 in place first (the
+    deferred commit; fused into the verify kernel, except for a hybrid whose first wave
+    has several chains, where the commit kernel runs first).
+    out: optional preallocated (o, delta), contiguous fp32 [B,N,H,V] (static buffers for a
+    CUDA graph; tests poison them). For benchmarking, block_v overrides the V tile (every
+    mode) and num_warps the warps of the walk kernels.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown verification mode {mode!r}; the kernels do {', '.join(MODES)}")
+    B, N, H, K, V, P = _check_inputs(q, k, v, g, beta, S0, pending)
+    if block_v is not None and (not _is_pow2(block_v) or not 16 <= block_v <= V):
+        raise ValueError(f"block_v={block_v} must be a power of two in [16, V={V}]")
+    q, k, v, g, beta = _contig(q, k, v, g, beta)
+    if P == 0:
+        pending = None
+    if out is None:
+        o = torch.empty((B, N, H, V), device=q.device, dtype=torch.float32)
+        delta = torch.empty_like(o)
+    else:
+        o, delta = out
+        for t in out:
+            if t.shape != (B, N, H, V) or t.dtype != torch.float32 or not t.is_contiguous() \
+                    or t.device != q.device:
+                raise ValueError(f"out tensors must be contiguous float32 [B, N, H, V] = "
+                                 f"{(B, N, H, V)} on {q.device}")
+    if mode == "chain":
+        _chain_verify(q, k, v, g, beta, S0, pending, o, delta, block_v, num_warps)
+    elif mode == "tree":
+        _tree_verify(q, k, v, g, beta, S0, topo.parents, pending, o, delta, block_v)
+    else:
+        if len(topo.tree.parents) != N:
+            raise ValueError(f"topology has {len(topo.tree.parents)} nodes but the inputs {N}")
+        _hybrid_verify(q, k, v, g, beta, S0, hybrid_schedule(topo, q.device), pending, o, delta,
+                       block_v, num_warps)
+    return o, delta
+
+
+# ---------------------------------------------------------------------------------------
+# Baselines, for kernels/bench_kernels.py: what verification costs without factors
+# ---------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["node", "N"])
+def _token_step_kernel(S_in, S_out, q, k, v, g, beta, o, delta, node, N,
+                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    """One token from a state in memory to a state in memory (S_in, S_out [B,H,K,V]
+    contiguous; may alias): what a one-token decode step or a replay does per token."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_k = tl.arange(0, K)[:, None]
+    o_v = i_v * BV + tl.arange(0, BV)[None, :]
+    o_tile = i_bh.to(tl.int64) * K * V + o_k * V + o_v
+    h = tl.load(S_in + o_tile)
+    row = (i_b * N + node) * H + i_h
+    b_q = tl.load(q + row * K + o_k).to(tl.float32)
+    b_k = tl.load(k + row * K + o_k).to(tl.float32)
+    b_v = tl.load(v + row * V + o_v).to(tl.float32)
+    h = h * tl.exp(tl.load(g + row).to(tl.float32))
+    b_d = tl.load(beta + row).to(tl.float32) * (b_v - tl.sum(h * b_k, 0, keep_dims=True))
+    h = h + b_k * b_d
+    tl.store(o + row * V + o_v, tl.sum(h * b_q, 0, keep_dims=True))
+    tl.store(delta + row * V + o_v, b_d)
+    tl.store(S_out + o_tile, h)
+
+
+def token_step(S_in, S_out, q, k, v, g, beta, o, delta, node: int, *,
+               block_v: int | None = None, num_warps: int | None = None) -> None:
+    """Launch one token step (node `node` of q..beta [B,N,H,*]); all tensors contiguous."""
+    B, N, H, K = q.shape
+    V = v.shape[-1]
+    BV, warps = _walk_config(B * H, K, V, block_v, num_warps)
+    _token_step_kernel[(V // BV, B * H)](S_in, S_out, q, k, v, g, beta, o, delta, node, N,
+                                         H=H, K=K, V=V, BV=BV, num_warps=warps)
+
+
+def sequential_replay_verify(q, k, v, g, beta, S0, parents: list[int], snapshots=None):
+    """Baseline: N one-token launches, each reading its parent's state from memory and
+    writing a dense state snapshot for its node. snapshots: [N, B, H, K, V] fp32."""
+    B, N, H, K = q.shape
+    V = v.shape[-1]
+    if snapshots is None:
+        snapshots = torch.empty((N, B, H, K, V), device=q.device, dtype=torch.float32)
+    o = torch.empty((B, N, H, V), device=q.device, dtype=torch.float32)
+    delta = torch.empty_like(o)
+    for i, p in enumerate(parents):
+        token_step(S0 if p < 0 else snapshots[p], snapshots[i], q, k, v, g, beta, o, delta, i)
+    return o, delta, snapshots
+
+
+def dense_snapshot_verify(q, k, v, g, beta, S0, topo, snapshots=None):
+    """Baseline (vLLM / SGLang style): the state-resident walk that also writes every
+    node's full state. Same kernel as the hybrid, with a slot for every node."""
+    B, N, H, K = q.shape
+    V = v.shape[-1]
+    o = torch.empty((B, N, H, V), device=q.device, dtype=torch.float32)
+    delta = torch.empty_like(o)
+    sched = hybrid_schedule(topo, q.device, every_node=True)
+    snapshots = _hybrid_verify(q, k, v, g, beta, S0, sched, None, o, delta, scratch=snapshots)
+    return o, delta, snapshots

@@ -1,0 +1,352 @@
+"""The Triton verify and commit kernels (kernels/triton_verify.py) against the plain-torch
+references (kernels/reference.py).
+
+On CUDA: every mode at the GDN-1.3B head shape (H=8, K=V=256) and smaller ones, over
+chains, wide-shallow, deep-narrow and random trees, with and without a pending commit,
+outputs poisoned with NaN first; plus the commit kernel, CUDA-graph capture and errors.
+On CPU: the same comparisons at tiny shapes in Triton's interpreter, run in a subprocess
+because TRITON_INTERPRET must be set before triton is imported
+(`python tests/test_kernels.py --interpreter GROUP` runs one group by hand).
+"""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import types
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from kernels import reference  # noqa: E402
+from kernels.bench_kernels import chain, deep_narrow, random_tree, wide_shallow  # noqa: E402
+
+RTOL = 1e-4  # ||out - ref|| / ||ref|| for fp32 (the kernels land near 1e-7)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="Triton kernels need a CUDA GPU (the CPU runs them "
+                                       "in the interpreter: test_interpreter)")
+
+
+# ---------------------------------------------------------------------------------------
+# Topologies: parent lists (parents[i] < i, -1 hangs off the state)
+# ---------------------------------------------------------------------------------------
+
+def forest(n: int) -> list[int]:
+    """Several nodes hanging off the state (not a DraftTree, but the kernels allow it)."""
+    rng = random.Random(n)
+    return [-1, 0, -1, 2, 0, -1, 5, 6][:n] + [rng.randrange(i) for i in range(8, n)]
+
+
+TOPOLOGIES = {"chain": chain, "wide": wide_shallow, "deep": deep_narrow, "random": random_tree,
+              "forest": forest}
+
+
+def make_topo(parents: list[int], device) -> "object":
+    """A specla Topology (or a stand-in for a forest, which DraftTree rejects)."""
+    from specla.model import Topology
+    from specla.tree import DraftTree
+    if sum(p < 0 for p in parents) == 1:
+        return Topology.of(DraftTree([0] * len(parents), parents), conv_size=4, device=device)
+    tree = types.SimpleNamespace(parents=parents, is_chain=False)
+    return Topology(tree, torch.tensor(parents, device=device), torch.empty(0))
+
+
+# ---------------------------------------------------------------------------------------
+# One comparison
+# ---------------------------------------------------------------------------------------
+
+def random_inputs(B, N, H, K, V, P, seed, device):
+    """Fresh inputs with fla's conventions; non-zero state, g = -rand, beta = rand."""
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *s: torch.rand(*s, generator=gen)    # noqa: E731
+    randn = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    x = dict(q=F.normalize(randn(B, N, H, K), dim=-1) * K ** -0.5,
+             k=F.normalize(randn(B, N, H, K), dim=-1), v=randn(B, N, H, V),
+             g=-rand(B, N, H), beta=rand(B, N, H), S0=randn(B, H, K, V))
+    pending = None
+    if P:
+        pending = (F.normalize(randn(B, P, H, K), dim=-1), randn(B, P, H, V) * 0.5, -rand(B, P, H))
+        pending = tuple(t.to(device) for t in pending)
+    return {name: t.to(device) for name, t in x.items()}, pending
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def check_verify(mode: str, parents: list[int], B: int, H: int, K: int, V: int, P: int,
+                 device, seed: int = 0, block_v: int | None = None) -> list[str]:
+    """Run one kernel call against its reference; returns a list of problems (empty = ok)."""
+    from kernels import triton_verify
+    N = len(parents)
+    x, pending = random_inputs(B, N, H, K, V, P, seed, device)
+    topo = make_topo(parents, device)
+    # reference: fold the pending factors, then verify from the folded state (on the CPU)
+    cpu = {name: t.cpu() for name, t in x.items()}
+    S_ref = cpu["S0"] if pending is None else reference.commit_ref(cpu["S0"], *(t.cpu() for t in pending))
+    args = (cpu["q"], cpu["k"], cpu["v"], cpu["g"], cpu["beta"], S_ref)
+    if mode == "chain":
+        o_ref, d_ref = reference.chain_verify_ref(*args)
+    else:
+        o_ref, d_ref = reference.VERIFY_REFERENCES[mode](*args, torch.tensor(parents))
+
+    S = x["S0"].clone()
+    out = tuple(torch.full((B, N, H, V), float("nan"), device=device) for _ in range(2))
+    o, d = triton_verify.verify(mode, x["q"], x["k"], x["v"], x["g"], x["beta"], S, topo,
+                                pending=pending, out=out, block_v=block_v)
+    problems = []
+    for name, got, want in (("o", o, o_ref), ("delta", d, d_ref), ("state", S, S_ref)):
+        if not torch.isfinite(got).all():
+            problems.append(f"{name}: {int((~torch.isfinite(got)).sum())} elements unwritten/non-finite")
+            continue
+        err = rel_err(got, want)
+        if not err < RTOL:
+            problems.append(f"{name}: relative error {err:.2e} >= {RTOL:.0e}")
+    if pending is None and not torch.equal(S.cpu(), cpu["S0"]):
+        problems.append("state: written although no pending commit was given")
+    return problems
+
+
+def check_commit(B: int, T: int, H: int, K: int, V: int, device, seed: int = 0) -> list[str]:
+    from kernels import triton_verify
+    x, _ = random_inputs(B, 1, H, K, V, 0, seed, device)
+    gen = torch.Generator().manual_seed(seed + 1)
+    factors = (F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1),
+               torch.randn(B, T, H, V, generator=gen), -torch.rand(B, T, H, generator=gen))
+    S = x["S0"].clone()
+    triton_verify.commit(S, *(t.to(device) for t in factors))
+    err = rel_err(S, reference.commit_ref(x["S0"].cpu(), *factors))
+    return [] if err < RTOL else [f"state: relative error {err:.2e} >= {RTOL:.0e}"]
+
+
+# ---------------------------------------------------------------------------------------
+# CUDA
+# ---------------------------------------------------------------------------------------
+
+SHAPES = [  # (B, H, K, V)
+    (1, 8, 256, 256),   # GDN-1.3B public checkpoint (m-a-p): 8 heads x 256
+    (1, 6, 256, 512),   # fla's default 1.3B config: expand_v 2
+    (1, 6, 64, 64),
+    (2, 2, 16, 16),
+    (2, 3, 32, 128),
+]
+SIZES = {"chain": (1, 2, 5, 16, 33, 64), "wide": (9, 64), "deep": (24, 64),
+         "random": (7, 33, 64), "forest": (12,)}
+
+
+def verify_cases():
+    for B, H, K, V in SHAPES:
+        for topo_name, sizes in SIZES.items():
+            for n in sizes:
+                modes = ("chain", "tree", "hybrid") if topo_name == "chain" else ("tree", "hybrid")
+                for mode in modes:
+                    for P in (0, 8):
+                        yield pytest.param(mode, topo_name, n, B, H, K, V, P,
+                                           id=f"{mode}-N{n}-H{H}-K{K}-V{V}-{topo_name}-B{B}-P{P}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode,topo_name,n,B,H,K,V,P", verify_cases())
+def test_verify_matches_reference(mode, topo_name, n, B, H, K, V, P):
+    parents = TOPOLOGIES[topo_name](n)
+    seed = zlib.crc32(f"{mode}{topo_name}{n}{B}{H}{K}{V}{P}".encode())
+    problems = check_verify(mode, parents, B, H, K, V, P, "cuda", seed=seed)
+    assert not problems, problems
+
+
+@needs_cuda
+@pytest.mark.parametrize("P", range(9), ids=lambda p: f"P{p}")
+@pytest.mark.parametrize("mode", ["chain", "tree", "hybrid"])
+def test_pending_counts(mode, P):
+    parents = chain(16) if mode == "chain" else random_tree(16, seed=P)
+    problems = check_verify(mode, parents, 1, 8, 256, 256, P, "cuda", seed=100 + P)
+    assert not problems, problems
+
+
+@needs_cuda
+@pytest.mark.parametrize("block_v", [16, 32, 64])
+@pytest.mark.parametrize("mode", ["chain", "tree", "hybrid"])
+def test_block_v_override(mode, block_v):
+    parents = chain(12) if mode == "chain" else deep_narrow(12)
+    assert not check_verify(mode, parents, 1, 8, 256, 256, 3, "cuda", seed=7, block_v=block_v)
+
+
+@needs_cuda
+@pytest.mark.parametrize("B,H,K,V", [(1, 8, 256, 256), (2, 6, 64, 64), (2, 2, 16, 32)],
+                         ids=lambda x: str(x))
+@pytest.mark.parametrize("T", [0, 1, 2, 4, 8, 16], ids=lambda t: f"T{t}")
+def test_commit_matches_reference(T, B, H, K, V):
+    assert not check_commit(B, T, H, K, V, "cuda", seed=T)
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["chain", "tree", "hybrid"])
+def test_cuda_graph_capture(mode):
+    """The per-call path captures into a CUDA graph (no host sync); tree mode replays with
+    a different tree written into the same parents tensor."""
+    from kernels import triton_verify
+    B, H, K, V, N, P = 1, 8, 256, 256, 16, 4
+    parents = chain(N) if mode == "chain" else random_tree(N, seed=1)
+    topo = make_topo(parents, "cuda")
+    triton_verify.prepare_topology(topo, "cuda")
+    x, pending = random_inputs(B, N, H, K, V, P, 3, "cuda")
+    inputs = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    S = x["S0"].clone()
+    out = tuple(torch.empty(B, N, H, V, device="cuda") for _ in range(2))
+    triton_verify.verify(mode, *inputs, S, topo, pending=pending, out=out)   # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        triton_verify.verify(mode, *inputs, S, topo, pending=pending, out=out)
+    for t in out:
+        t.fill_(float("nan"))
+    S.copy_(x["S0"])
+    graph.replay()
+    torch.cuda.synchronize()
+    S_ref = reference.commit_ref(x["S0"].cpu(), *(t.cpu() for t in pending))
+    cpu = [x[n].cpu() for n in ("q", "k", "v", "g", "beta")]
+    if mode == "chain":
+        o_ref, d_ref = reference.chain_verify_ref(*cpu, S_ref)
+    else:
+        o_ref, d_ref = reference.VERIFY_REFERENCES[mode](*cpu, S_ref, torch.tensor(parents))
+    assert rel_err(out[0], o_ref) < RTOL and rel_err(out[1], d_ref) < RTOL
+    assert rel_err(S, S_ref) < RTOL
+    if mode == "tree":
+        other = wide_shallow(N)
+        topo.parents.copy_(torch.tensor(other))
+        S.copy_(x["S0"])
+        graph.replay()
+        torch.cuda.synchronize()
+        o_ref, d_ref = reference.tree_verify_ref(*cpu, S_ref, torch.tensor(other))
+        assert rel_err(out[0], o_ref) < RTOL and rel_err(out[1], d_ref) < RTOL
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["tree", "hybrid"])
+def test_tree_swapped_in_place(mode):
+    assert not check_tree_swap(mode, "cuda", H=8, K=256, V=256)
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["auto", "chain", "tree", "hybrid"])
+def test_runtime_dispatch(mode):
+    """specla.verify on CUDA tensors (the kernels) equals it on CPU tensors (the references),
+    with a deferred commit and then an immediate one."""
+    from specla.verify import commit_layer, verify_layer
+    parents = chain(10) if mode == "chain" else deep_narrow(10)
+    x, pending = random_inputs(1, 10, 8, 256, 256, 3, 11, "cpu")
+    results = {}
+    for device in ("cpu", "cuda"):
+        y = {n: t.to(device) for n, t in x.items()}
+        S = y["S0"].clone()
+        o, d = verify_layer(mode, y["q"], y["k"], y["v"], y["g"], y["beta"], S,
+                            make_topo(parents, device), pending=tuple(t.to(device) for t in pending))
+        commit_layer(S, y["k"][:, :4], d[:, :4], y["g"][:, :4])
+        results[device] = (o, d, S)
+    for got, want in zip(results["cuda"], results["cpu"]):
+        assert rel_err(got, want) < RTOL
+
+
+# ---------------------------------------------------------------------------------------
+# Errors (no kernel launch: these run anywhere)
+# ---------------------------------------------------------------------------------------
+
+def test_bad_inputs_raise():
+    pytest.importorskip("triton")
+    from kernels import triton_verify
+    x, _ = random_inputs(1, 4, 2, 16, 16, 0, 0, "cpu")
+    topo = make_topo(chain(4), "cpu")
+    args = [x[n] for n in ("q", "k", "v", "g", "beta", "S0")]
+    with pytest.raises(ValueError, match="unknown verification mode"):
+        triton_verify.verify("dense", *args, topo)
+    y, _ = random_inputs(1, 4, 2, 24, 16, 0, 0, "cpu")
+    with pytest.raises(ValueError, match="power of two"):
+        triton_verify.verify("chain", *[y[n] for n in ("q", "k", "v", "g", "beta", "S0")], topo)
+    with pytest.raises(ValueError, match="shape"):
+        triton_verify.verify("chain", *args[:5], args[5][:, :1], topo)
+    with pytest.raises(ValueError, match="float32"):
+        triton_verify.verify("chain", *args[:5], args[5].double(), topo)
+    with pytest.raises(ValueError, match="block_v"):
+        triton_verify.verify("chain", *args, topo, block_v=8)
+    z, _ = random_inputs(1, 129, 1, 16, 16, 0, 0, "cpu")
+    with pytest.raises(ValueError, match="exceeds"):
+        triton_verify.verify("tree", *[z[n] for n in ("q", "k", "v", "g", "beta", "S0")],
+                             make_topo(chain(129), "cpu"))
+
+
+# ---------------------------------------------------------------------------------------
+# CPU: Triton's interpreter, tiny shapes, one subprocess per group
+# ---------------------------------------------------------------------------------------
+
+def interpreter_cases(group: str):
+    """(description, callable returning problems) for one group, at tiny shapes."""
+    dev = "cpu"
+    if group == "commit":
+        for T in (0, 1, 5):
+            yield f"commit-T{T}-H2-K16-V32", lambda T=T: check_commit(2, T, 2, 16, 32, dev, seed=T)
+        return
+    if group in ("tree", "hybrid"):
+        yield f"{group}-N9-H2-K16-V16-swap", lambda: check_tree_swap(group, dev)
+    topologies = [("chain", chain(1)), ("chain", chain(2)), ("chain", chain(9))]
+    if group != "chain":
+        topologies += [("wide", wide_shallow(9, width=3)), ("deep", deep_narrow(9)),
+                       ("random", random_tree(8, seed=3)), ("forest", forest(7))]
+    for name, parents in topologies:
+        for P in (0, 3):
+            for K, V in ((16, 16), (16, 32)):
+                yield (f"{group}-N{len(parents)}-H2-K{K}-V{V}-{name}-P{P}",
+                       lambda parents=parents, P=P, K=K, V=V: check_verify(
+                           group, parents, 2, 2, K, V, P, dev, seed=len(parents) * 10 + P))
+
+
+def check_tree_swap(mode: str, device, H: int = 2, K: int = 16, V: int = 16) -> list[str]:
+    """One Topology object, its tree replaced in place between calls (as
+    specla.cuda_graphs.SpecTopology.load does): the second call must see the new tree."""
+    from kernels import triton_verify
+    first, second = deep_narrow(9), wide_shallow(9, width=3)
+    topo = make_topo(first, device)
+    x, _ = random_inputs(1, 9, H, K, V, 0, 5, device)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta", "S0")]
+    triton_verify.verify(mode, *args, topo)
+    topo.parents.copy_(torch.tensor(second))
+    topo.tree = make_topo(second, "cpu").tree
+    o, d = triton_verify.verify(mode, *args, topo)
+    o_ref, d_ref = reference.VERIFY_REFERENCES[mode](*(t.cpu() for t in args), torch.tensor(second))
+    err = max(rel_err(o, o_ref), rel_err(d, d_ref))
+    return [] if err < RTOL else [f"after the swap: relative error {err:.2e}"]
+
+
+def run_interpreter_group(group: str) -> int:
+    failures = 0
+    for desc, case in interpreter_cases(group):
+        problems = case()
+        print(("FAIL " if problems else "ok   ") + desc + ("  " + "; ".join(problems) if problems else ""))
+        failures += bool(problems)
+    return failures
+
+
+@pytest.mark.parametrize("group", ["chain", "tree", "hybrid", "commit"])
+def test_interpreter(group):
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, __file__, "--interpreter", group], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "ok   " in proc.stdout
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--interpreter":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            sys.exit("set TRITON_INTERPRET=1 (before triton is imported) to run on the CPU")
+        sys.exit(1 if run_interpreter_group(sys.argv[2]) else 0)
+    sys.exit(f"usage: TRITON_INTERPRET=1 python {sys.argv[0]} --interpreter chain|tree|hybrid|commit")
