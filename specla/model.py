@@ -96,7 +96,7 @@ class Topology:
 
     @classmethod
     def chain(cls, n: int, conv_size: int, device: torch.device | str = "cpu") -> "Topology":
-        return cls.of(DraftTree.chain([0] * n), conv_size, device)
+        return cls.of(DraftTree.chain([0] * n, max_nodes=max(n, 1)), conv_size, device)
 
 
 @dataclasses.dataclass

@@ -30,11 +30,13 @@ class DraftTree:
     logprobs: list[float] | None = None
     # Nodes the drafter proposed but confidence pruning removed (kept for the views only).
     pruned: list[dict] = dataclasses.field(default_factory=list)
+    # Drafts are capped; long chains built by the runtime itself (prefill, training) are not.
+    max_nodes: int = dataclasses.field(default=MAX_TREE_NODES, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.tokens = [int(t) for t in self.tokens]
         self.parents = [int(p) for p in self.parents]
-        self.validate()
+        self.validate(self.max_nodes)
 
     def validate(self, max_nodes: int = MAX_TREE_NODES) -> None:
         n = len(self.tokens)
@@ -61,8 +63,10 @@ class DraftTree:
         return len(self.tokens)
 
     @classmethod
-    def chain(cls, tokens: list[int], logprobs: list[float] | None = None) -> "DraftTree":
-        return cls(tokens=list(tokens), parents=list(range(-1, len(tokens) - 1)), logprobs=logprobs)
+    def chain(cls, tokens: list[int], logprobs: list[float] | None = None,
+              max_nodes: int = MAX_TREE_NODES) -> "DraftTree":
+        return cls(tokens=list(tokens), parents=list(range(-1, len(tokens) - 1)), logprobs=logprobs,
+                   max_nodes=max_nodes)
 
     @cached_property
     def children(self) -> list[list[int]]:

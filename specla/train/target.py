@@ -110,9 +110,11 @@ def forward_logits(model: torch.nn.Module, x: torch.Tensor, backend: str) -> tor
     if backend == "fla":
         return model(input_ids=x, use_cache=False).logits
     from specla.model import Topology
+    from specla.verify import reference_only
 
     topo = Topology.chain(x.shape[1], model.config.conv_size, x.device)
-    return model(x, model.new_state(x.shape[0]), topo, mode="tree").logits
+    with reference_only():   # the differentiable plain-torch recurrence, also on CUDA
+        return model(x, model.new_state(x.shape[0]), topo, mode="tree").logits
 
 
 def lm_loss(model, batch: torch.Tensor, backend: str) -> torch.Tensor:
@@ -231,8 +233,6 @@ def train(data: str | Path, out: str | Path, config: GDNConfig, cfg: TrainConfig
     ckpt_path = Path(ckpt_dir) if ckpt_dir else out / "ckpt"
     tokens_info = json.loads((Path(data) / "tokens.json").read_text())
     config = dataclasses.replace(config, vocab_size=tokens_info["vocab_size"])
-    if backend == "torch" and cfg.seq_len > 255:
-        raise ValueError("the torch backend runs a window as one draft tree: --seq-len must be < 256")
     torch.manual_seed(cfg.seed)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")   # TF32 for whatever autocast leaves in fp32
