@@ -140,33 +140,54 @@ class GatedDeltaNetMixer(nn.Module):
         weight, bias = self.conv_weight()
         history = torch.cat([window.transpose(1, 2).to(x.dtype), x], dim=1)   # [B, W-1+N, C]
         taps = history[:, index]                                            # [B, N, W, C]
-        out = (taps * weight.t().to(x.dtype)).sum(2)
+        out = torch.einsum("bnwc,cw->bnc", taps, weight.to(x.dtype))
         if bias is not None:
             out = out + bias
         return F.silu(out)
 
+    def input_projection(self, h: torch.Tensor) -> torch.Tensor:
+        """q|k|v|a|b(|g) projections as one matmul (one weight read per step, not six).
+
+        At inference the concatenated weight is cached (keyed by the weights' storage, so a
+        reload or a device move rebuilds it); with autograd on (training) it is rebuilt on each
+        call so gradients reach the parameters.
+        """
+        parts = [self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj]
+        if self.config.use_gate:
+            parts.append(self.g_proj)
+        if torch.is_grad_enabled():
+            return F.linear(h, torch.cat([p.weight for p in parts]))
+        key = tuple(p.weight.data_ptr() for p in parts)   # new weights (load, .to()) -> rebuild
+        if getattr(self, "_fused_key", None) != key:
+            self._fused_weight = torch.cat([p.weight.detach() for p in parts])
+            self._fused_key = key
+        return F.linear(h, self._fused_weight)
+
     def qkv_gates(self, h: torch.Tensor, window: torch.Tensor, topo: Topology):
-        """Everything of the layer that comes before the recurrence."""
+        """Everything of the layer that comes before the recurrence, and the output gate."""
         c = self.config
         B, N, _ = h.shape
-        conv_in = torch.cat([self.q_proj(h), self.k_proj(h), self.v_proj(h)], dim=-1)
+        sizes = [2 * c.key_dim + c.value_dim, c.num_heads, c.num_heads]
+        if c.use_gate:
+            sizes.append(c.value_dim)
+        conv_in, a, b, *gate = self.input_projection(h).split(sizes, dim=-1)
         qkv = self.tree_conv(conv_in, window, topo.conv_index)
         q, k, v = qkv.float().split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
         q = l2norm(q.reshape(B, N, c.num_heads, c.head_dim)) * c.head_dim ** -0.5
         k = l2norm(k.reshape(B, N, c.num_heads, c.head_dim))
         v = v.reshape(B, N, c.num_heads, c.head_v_dim)
-        g = -self.A_log.float().exp() * F.softplus(self.a_proj(h).float() + self.dt_bias.float())
-        beta = self.b_proj(h).float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        beta = b.float().sigmoid()
         if c.allow_neg_eigval:
             beta = beta * 2
-        return q, k, v, g, beta, conv_in
+        return q, k, v, g, beta, conv_in, (gate[0] if gate else None)
 
-    def output(self, o: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def output(self, o: torch.Tensor, h: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         B, N = h.shape[:2]
         c = self.config
         o = self.o_norm(o.to(h.dtype) if h.dtype != torch.float32 else o)
-        if c.use_gate:
-            gate = self.g_proj(h).view(B, N, c.num_heads, c.head_v_dim)
+        if gate is not None:
+            gate = gate.reshape(B, N, c.num_heads, c.head_v_dim)
             o = o * (F.silu(gate) if c.output_gate_activation in ("swish", "silu") else gate.sigmoid())
         return self.o_proj(o.reshape(B, N, c.value_dim).to(h.dtype))
 
@@ -250,12 +271,12 @@ class GDNForCausalLM(nn.Module):
                 fold_conv_window(state, pending, layer_idx)
                 layer_pending = (pending.k[layer_idx], pending.delta[layer_idx], pending.g[layer_idx])
             h = block.attn_norm(x)
-            q, k, v, g, beta, conv_in = block.attn.qkv_gates(h, state.conv[layer_idx], topo)
+            q, k, v, g, beta, conv_in, gate = block.attn.qkv_gates(h, state.conv[layer_idx], topo)
             # With a pending commit the verifier first folds it into the state (written once),
             # then verifies from the folded state: the deferred commit rides on this pass.
             o, delta = verify_layer(mode, q, k, v, g, beta, state.recurrent[layer_idx], topo,
                                     pending=layer_pending)
-            x = x + block.attn.output(o, h)
+            x = x + block.attn.output(o, h, gate)
             x = x + block.mlp(block.mlp_norm(x))
             ks.append(k), deltas.append(delta), gs.append(g), conv_ins.append(conv_in)
             if layer_idx in feature_layers:

@@ -82,7 +82,7 @@ def test_every_layer_matches_fla_naive_recurrence():
     with torch.no_grad():
         for l, block in enumerate(target.model.layers):
             h = block.attn_norm(x)
-            q, k, v, g, beta, _ = block.attn.qkv_gates(h, state.conv[l], topo)
+            q, k, v, g, beta, _, gate = block.attn.qkv_gates(h, state.conv[l], topo)
             o_ref, S_ref = naive_recurrent_gated_delta_rule(q, k, v, beta, g, scale=1.0,
                                                             initial_state=state.recurrent[l],
                                                             output_final_state=True)
@@ -92,7 +92,7 @@ def test_every_layer_matches_fla_naive_recurrence():
             from kernels.reference import commit_ref
             torch.testing.assert_close(commit_ref(state.recurrent[l], k, delta, g), S_ref,
                                        rtol=1e-5, atol=1e-5)
-            x = x + block.attn.output(o, h)
+            x = x + block.attn.output(o, h, gate)
             x = x + block.mlp(block.mlp_norm(x))
 
 
