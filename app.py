@@ -1,0 +1,67 @@
+"""SpecLA Explorer: the Gradio app (also the Hugging Face Space entry point).
+
+    python app.py                                  # assets/ model + drafters, 127.0.0.1:7860
+    python app.py --model random-tiny --port 7861  # random-weight demo model, oracle drafter
+    python app.py --device cuda --queue-limit 2 --host 0.0.0.0
+
+On ZeroGPU Spaces the decode runs inside `spaces.GPU` and returns plain trace dicts; the
+figures are built on the CPU side. Elsewhere the decorator is a no-op.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+for key, value in (("GRADIO_ANALYTICS_ENABLED", "False"), ("HF_HUB_OFFLINE", "1"), ("HF_HUB_DISABLE_TELEMETRY", "1")):
+    os.environ.setdefault(key, value)
+os.environ.setdefault("GRADIO_TEMP_DIR", os.path.join(os.path.dirname(os.path.abspath(__file__)), ".gradio"))
+
+try:
+    import spaces
+    gpu = spaces.GPU(duration=120)
+except ImportError:   # not on a ZeroGPU Space
+    def gpu(fn):
+        return fn
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="checkpoint folder or hub id (default: assets/target; "
+                   "'random-tiny' for a random-weight demo model)")
+    p.add_argument("--drafters", default=None,
+                   help="folder with <kind>/ drafter checkpoints (default: assets/drafters)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", 7860)))
+    p.add_argument("--queue-limit", "--share-queue-limit", dest="queue_limit", type=int, default=1,
+                   help="model runs at the same time across all users (default 1; more needs reentrant drafters)")
+    p.add_argument("--max-queue", type=int, default=32, help="requests allowed to wait in the queue")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default: torch's choice; 1 is steadier on a busy or small CPU)")
+    p.add_argument("--share", action="store_true", help="also open a public gradio.live link")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    import torch
+
+    from specla import explorer, runner
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    runtime = runner.load_runtime(args.model, args.drafters, args.device)
+
+    @gpu
+    def run_on_device(prompt: str, settings: dict):
+        yield from runner.run(runtime, prompt, settings)
+
+    demo = explorer.build_demo(runtime, run_fn=run_on_device, model_limit=max(1, args.queue_limit))
+    demo.queue(default_concurrency_limit=4, max_size=args.max_queue)
+    demo.launch(server_name=args.host, server_port=args.port, share=args.share, ssr_mode=False,
+                **explorer.LAUNCH_KWARGS)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,501 @@
+"""The service layer of the explorer: load a runtime, run a prompt, replay a trace.
+
+No gradio here: the app calls `run` (a generator of traces, the last one complete) and
+builds every view from the trace dicts it yields. A run measures the AR baseline on the
+same prompt, device and settings first, then decodes speculatively, so the speedup in the
+trace compares two measurements of this run.
+
+    runtime = load_runtime()                       # assets/ model + drafters, or a demo
+    for trace in run(runtime, "def fib(n):", {"drafter": "block", "max_new_tokens": 64}):
+        ...                                        # partial traces, then the complete one
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from specla import trace as tr
+from specla.decode import MAX_NEW_TOKENS, DecodeSettings, ar_generate, check_prompt, speculative_steps
+from specla.drafters.base import Draft, DraftContext, DraftSettings
+from specla.drafters.oracle import OracleDrafter
+from specla.figures import visible
+from specla.tree import MAX_TREE_NODES, DraftTree, TreeError
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+DRAFTER_KINDS = ("block", "lilicorr", "eagle")
+ORACLE = "oracle"
+MAX_PROMPT_CHARS = 20_000
+MAX_PROMPT_TOKENS = 2048
+UPDATES_PER_RUN = 15          # streamed partial traces per run (plus the first and the last)
+
+DEFAULTS: dict[str, Any] = {
+    "drafter": None, "tree": "chain", "top_k": 4, "budget": 8, "block_size": 8, "depth": 6,
+    "prune_tau": None, "mode": "auto", "deferred": True, "temperature": 0.0, "top_p": 1.0,
+    "max_new_tokens": 64, "seed": 0, "paths": None, "oracle_alpha": 0.8,
+}
+TREE_SHAPES = ("chain", "beam", "best-first")
+MODES = ("auto", "chain", "tree", "hybrid")
+
+
+class ByteTokenizer:
+    """A stand-in tokenizer (one token per UTF-8 byte) for the random demo model and tests."""
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+@dataclasses.dataclass
+class Runtime:
+    """The target model, its tokenizer and the drafters, loaded once per process.
+
+    `drafters` maps a name to a drafter object (reset per run by the engine) or to a
+    factory `make(prompt_tokens, ar_tokens, settings) -> drafter` for drafters built per
+    run, such as the oracle that needs the target's own continuation.
+    """
+    target: Any
+    tokenizer: Any
+    drafters: dict[str, Any]
+    model_name: str = "unnamed"
+    labels: dict[str, str] = dataclasses.field(default_factory=dict)
+    note: str = ""
+    eos_token_id: int | None = None
+    fingerprint: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.drafters:
+            raise ValueError("a runtime needs at least one drafter")
+        if not self.fingerprint:
+            self.fingerprint = model_fingerprint(self.target)
+        for name in self.drafters:
+            self.labels.setdefault(name, "oracle (measurement)" if name == ORACLE else name)
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.config.vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        if hasattr(self.tokenizer, "get_vocab") and hasattr(self.tokenizer, "convert_ids_to_tokens"):
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        out = self.tokenizer.encode(text)
+        return list(getattr(out, "ids", out))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def model_info(self) -> dict:
+        # both AR and speculation run the eager decode loops of specla.decode (no CUDA graphs)
+        return {"name": self.model_name, "device": self.device.type, "hardware": hardware_name(self.device),
+                "launch": "eager PyTorch",
+                "dtype": str(self.target.dtype).replace("torch.", ""), "fingerprint": self.fingerprint,
+                "config": dataclasses.asdict(self.target.config)}
+
+
+def model_fingerprint(model) -> str:
+    """A short hash of the config, the parameter names and shapes, and a sample of each tensor."""
+    h = hashlib.sha256(json.dumps(dataclasses.asdict(model.config), sort_keys=True, default=str).encode())
+    with torch.no_grad():
+        for name, p in sorted(model.state_dict().items()):
+            h.update(f"{name}{tuple(p.shape)}".encode())
+            h.update(p.flatten()[:32].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def hardware_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    threads = torch.get_num_threads()
+    return f"CPU {cpu}, {threads} thread{'s' if threads != 1 else ''}"
+
+
+def oracle_factory(vocab_size: int) -> Callable:
+    """The oracle drafter, built per run from the AR continuation (labelled as measurement)."""
+    def make(prompt_tokens: list[int], ar_tokens: list[int], settings: dict) -> OracleDrafter:
+        shape = "chain" if settings["tree"] == "chain" and not settings["paths"] else "tree"
+        return OracleDrafter(ar_tokens, vocab_size, alpha=settings["oracle_alpha"],
+                             seed=settings["seed"], shape=shape)
+    return make
+
+
+def tiny_random_runtime(seed: int = 0, device: str = "cpu", note: str = "",
+                        random_drafters: tuple[str, ...] = ()) -> Runtime:
+    """A 2-layer random-weight GDN over bytes with the oracle drafter: tests and demo only.
+
+    `random_drafters` adds untrained drafters of those kinds (labelled so): their drafts are
+    almost never accepted, but every view, the LiLiCorr lattice included, gets real data.
+    """
+    from specla.config import GDNConfig
+    from specla.model import GDNForCausalLM
+
+    config = GDNConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=16,
+                       expand_v=2.0, hidden_ratio=2, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(seed)
+    target = GDNForCausalLM(config).to(device).eval()
+    drafters: dict[str, Any] = {ORACLE: oracle_factory(config.vocab_size)}
+    if random_drafters:
+        from specla.drafters import new_drafter
+        drafters.update({kind: new_drafter(kind, target) for kind in random_drafters})
+    return Runtime(target, ByteTokenizer(), drafters, model_name="tiny random GDN (demo, random weights)",
+                   note=note, labels={kind: f"{kind} (random weights)" for kind in random_drafters})
+
+
+def load_runtime(model: str | None = None, drafters: str | None = None,
+                 device: str | None = None) -> Runtime:
+    """The target (default: assets/target), its drafters (default: assets/drafters/<kind>/).
+
+    Without a model in assets/ (and none given), a tiny random demo runtime is returned
+    with a note saying so. The oracle drafter is always offered, labelled as measurement.
+    """
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if model in (None, "") and not (ASSETS / "target").exists():
+        model = "random-tiny"
+    if model == "random-tiny":
+        return tiny_random_runtime(device=device, random_drafters=DRAFTER_KINDS, note=(
+            "No trained model loaded: this is a tiny random-weight model, for trying the explorer only. "
+            "Its text is noise; use the oracle drafter to see drafts accepted."))
+    from specla.checkpoint import load_model
+    from specla.drafters import load_drafter
+
+    path = model or str(ASSETS / "target")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    target, tokenizer, report = load_model(path, device, dtype)
+    target.eval()
+    if tokenizer is None:
+        if not (ASSETS / "tokenizer.json").exists():
+            raise ValueError(f"{path} has no tokenizer.json and assets/ has none either")
+        from specla.tokenizer import load_tokenizer
+        tokenizer = load_tokenizer(ASSETS)
+    found: dict[str, Any] = {}
+    root = Path(drafters) if drafters else ASSETS / "drafters"
+    for kind in DRAFTER_KINDS:
+        if (root / kind).is_dir():
+            found[kind] = load_drafter(str(root / kind), target)
+    found[ORACLE] = oracle_factory(target.config.vocab_size)
+    name = "assets/target" if model in (None, "") else str(path)
+    params = getattr(report, "num_parameters", None)
+    if isinstance(params, int):
+        c = target.config
+        name += f" ({params / 1e6:.1f}M parameters, {c.num_hidden_layers} layers × {c.hidden_size})"
+    return Runtime(target, tokenizer, found, model_name=name, eos_token_id=target.config.eos_token_id)
+
+
+def drafter_limits(runtime: Runtime, name: str) -> dict:
+    """Largest block size and top-k a loaded drafter supports (what it was trained with)."""
+    limits = {"block_size": 32, "top_k": min(16, runtime.vocab_size)}
+    net = getattr(runtime.drafters.get(name), "net", None)
+    block = getattr(getattr(net, "config", None), "block_size", None)
+    if isinstance(block, int):
+        limits["block_size"] = block
+    max_k = getattr(getattr(getattr(net, "head", None), "config", None), "max_k", None)
+    if isinstance(max_k, int):
+        limits["top_k"] = min(limits["top_k"], max_k)
+    return limits
+
+
+# ---------------------------------------------------------------------------------------
+# settings
+
+
+def parse_paths(text: Any) -> list[list[int]] | None:
+    """A Medusa-style tree preset: JSON list of index paths, parents first. '' means none."""
+    if text is None or (isinstance(text, str) and not text.strip()):
+        return None
+    if isinstance(text, str):
+        try:
+            paths = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"tree preset is not a JSON list of index paths ({err.msg}); "
+                             "example: [[0], [0, 0], [1]]") from None
+    else:
+        paths = text
+    if not (isinstance(paths, list) and paths and all(
+            isinstance(p, list) and p and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 64
+                                              for i in p) for p in paths)):
+        raise ValueError("tree preset must be a non-empty list of index paths of small non-negative "
+                         "integers, e.g. [[0], [0, 0], [1]]")
+    if len(paths) > MAX_TREE_NODES - 1:
+        raise ValueError(f"tree preset has {len(paths)} nodes; the limit is {MAX_TREE_NODES - 1}")
+    try:
+        DraftTree.from_index_paths(paths, [0] * (len(paths) + 1))
+    except TreeError as err:
+        raise ValueError(f"tree preset: {err}") from None
+    return paths
+
+
+def _number(settings: dict, key: str, kind: type, lo: float, hi: float, optional: bool = False):
+    value = settings.get(key, DEFAULTS[key])
+    if optional and value in (None, ""):
+        return None
+    try:
+        value = kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key.replace('_', ' ')} must be a number, got {value!r}") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{key.replace('_', ' ')} must be finite")
+    if not lo <= value <= hi:
+        raise ValueError(f"{key.replace('_', ' ')} must be between {lo} and {hi}, got {value}")
+    return value
+
+
+def normalize_settings(runtime: Runtime, settings: dict | None) -> dict:
+    """Fill defaults, check every value, return the dict a trace records.
+
+    Consistency rules: a tree preset overrides the shape; chain verification needs a chain
+    (a ValueError otherwise); pruning tau 0 or empty means no pruning.
+    """
+    s = dict(DEFAULTS, **{k: v for k, v in (settings or {}).items() if k in DEFAULTS})
+    if s["drafter"] in (None, ""):
+        s["drafter"] = next(iter(runtime.drafters))
+    if s["drafter"] not in runtime.drafters:
+        raise ValueError(f"unknown drafter {s['drafter']!r}; this model has: {', '.join(runtime.drafters)}")
+    if s["tree"] not in TREE_SHAPES:
+        raise ValueError(f"tree shape must be one of {', '.join(TREE_SHAPES)}, got {s['tree']!r}")
+    if s["mode"] not in MODES:
+        raise ValueError(f"verification mode must be one of {', '.join(MODES)}, got {s['mode']!r}")
+    s["top_k"] = _number(s, "top_k", int, 1, min(64, runtime.vocab_size))
+    s["budget"] = _number(s, "budget", int, 1, MAX_TREE_NODES - 1)
+    s["block_size"] = _number(s, "block_size", int, 2, 64)
+    s["depth"] = _number(s, "depth", int, 1, 64)
+    s["prune_tau"] = _number(s, "prune_tau", float, 0.0, 100.0, optional=True) or None
+    s["temperature"] = _number(s, "temperature", float, 0.0, 10.0)
+    s["top_p"] = _number(s, "top_p", float, 1e-6, 1.0)
+    s["max_new_tokens"] = _number(s, "max_new_tokens", int, 1, MAX_NEW_TOKENS)
+    s["seed"] = _number(s, "seed", int, 0, 2**31 - 1)
+    s["oracle_alpha"] = _number(s, "oracle_alpha", float, 0.0, 1.0)
+    s["deferred"] = bool(s["deferred"])
+    s["paths"] = parse_paths(s["paths"])
+    is_chain = s["tree"] == "chain" if s["paths"] is None else all(p == [0] * len(p) for p in s["paths"])
+    if s["mode"] == "chain" and not is_chain:
+        raise ValueError("chain verification needs a chain draft: pick tree shape 'chain' "
+                         "or verification auto / tree / hybrid")
+    if s["drafter"] != ORACLE:
+        s.pop("oracle_alpha")
+    return s
+
+
+def settings_record(s: dict) -> dict:
+    """Normalised settings as a trace records them (no empty preset)."""
+    return {k: v for k, v in s.items() if k != "paths" or v}
+
+
+def clean_prompt(prompt: Any) -> str:
+    """The prompt as the trace records it: text, within the length limit, valid UTF-8."""
+    if not isinstance(prompt, str):
+        raise ValueError("the prompt must be text")
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise ValueError(f"the prompt is {len(prompt):,} characters long; the limit is {MAX_PROMPT_CHARS:,}")
+    # lone surrogates (possible in JSON from a browser) cannot be encoded: replace them
+    return prompt.encode("utf-8", errors="replace").decode("utf-8")
+
+
+def encode_prompt(runtime: Runtime, prompt: str) -> list[int]:
+    if not prompt.strip():
+        raise ValueError("the prompt is empty: type at least one character")
+    tokens = runtime.encode(prompt)
+    check_prompt(tokens, runtime.vocab_size, MAX_PROMPT_TOKENS)
+    return tokens
+
+
+# ---------------------------------------------------------------------------------------
+# a tree preset applied to any drafter
+
+
+class PresetShape:
+    """Keep only the drafter's nodes at the preset's index paths (sibling ranks).
+
+    The inner drafter is asked for a tree wide and deep enough; its candidates are ranked
+    by the order it lists siblings in (best first for top-k drafters). Acceptance stays
+    exact: any candidate subset is verified losslessly.
+    """
+
+    def __init__(self, inner, paths: list[list[int]]):
+        self.inner, self.paths = inner, [tuple(p) for p in paths]
+        self.name = getattr(inner, "name", "drafter")
+        self.feature_layers = inner.feature_layers
+
+    def reset(self, *args) -> None:
+        self.inner.reset(*args)
+
+    def observe(self, accepted) -> None:
+        self.inner.observe(accepted)
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        s = dataclasses.replace(ctx.settings)
+        s.top_k = max(s.top_k, 1 + max(max(p) for p in self.paths))
+        s.depth = max(s.depth, max(len(p) for p in self.paths))
+        s.budget = min(MAX_TREE_NODES - 1, max(s.budget, len(self.paths)))
+        s.block_size = max(s.block_size, 1 + s.depth)
+        if s.tree == "chain":
+            s.tree = "beam"
+        draft = self.inner.propose(DraftContext(ctx.root_token, s, ctx.generator))
+        tree = draft.tree
+        wanted = set(self.paths)
+        keep = [0] + [i + 1 for i, p in enumerate(tree.to_index_paths()) if tuple(p) in wanted]
+        new_index = {old: new for new, old in enumerate(keep)}
+
+        def remap(node: dict) -> dict | None:  # pruned nodes hang off a kept parent, or go
+            if "parent" not in node:
+                return node
+            return dict(node, parent=new_index[node["parent"]]) if node["parent"] in new_index else None
+
+        dropped = [{"token": tree.tokens[i], "parent": tree.parents[i], "reason": "preset"}
+                   for i in range(1, len(tree)) if i not in new_index]
+        kept = DraftTree([tree.tokens[i] for i in keep], [-1] + [new_index[tree.parents[i]] for i in keep[1:]],
+                         None if tree.logprobs is None else [tree.logprobs[i] for i in keep],
+                         pruned=[q for q in map(remap, tree.pruned + dropped) if q is not None])
+        proposal = None if draft.proposal is None else draft.proposal[keep]
+        return Draft(kept, proposal, draft.details)
+
+
+# ---------------------------------------------------------------------------------------
+# runs
+
+
+def _draft_settings(s: dict) -> DraftSettings:
+    return DraftSettings(top_k=s["top_k"], budget=s["budget"], block_size=s["block_size"], depth=s["depth"],
+                         tree=s["tree"], prune_tau=s["prune_tau"], temperature=s["temperature"])
+
+
+def _decode_settings(s: dict, runtime: Runtime, max_new_tokens: int | None = None) -> DecodeSettings:
+    return DecodeSettings(max_new_tokens=max_new_tokens or s["max_new_tokens"], temperature=s["temperature"],
+                          top_p=s["top_p"], mode=s["mode"], deferred=s["deferred"], seed=s["seed"],
+                          stop_at_eos=runtime.eos_token_id is not None)
+
+
+def _drafter_for_run(runtime: Runtime, s: dict, prompt_tokens: list[int], ar_tokens: list[int]):
+    entry = runtime.drafters[s["drafter"]]
+    if hasattr(entry, "propose"):
+        # a shallow copy per run: weights shared, per-sequence state (rebound by reset) not
+        drafter = copy.copy(entry)
+    else:
+        drafter = entry(prompt_tokens, ar_tokens, s)
+    return PresetShape(drafter, s["paths"]) if s["paths"] else drafter
+
+
+def run(runtime: Runtime, prompt: str, settings: dict | None = None) -> Iterator[dict]:
+    """Measure AR, then decode speculatively; yield partial traces, the last one complete.
+
+    Each phase is warmed up first (a few tokens). The speculative time counts the time
+    spent producing each step (prefill excluded, as for AR), not the time the consumer
+    spends between yields.
+    """
+    s = normalize_settings(runtime, settings)
+    prompt = clean_prompt(prompt)
+    tokens = encode_prompt(runtime, prompt)
+    target, eos = runtime.target, runtime.eos_token_id
+    warm = min(4, s["max_new_tokens"])
+    ar_generate(target, tokens, _decode_settings(s, runtime, warm), eos)
+    ar = ar_generate(target, tokens, _decode_settings(s, runtime), eos)
+    baseline = {"kind": "ar", "tokens_per_s": round(len(ar.tokens) / ar.seconds, 3) if ar.seconds > 0 else 0.0,
+                "seconds": round(ar.seconds, 4), "tokens": len(ar.tokens)}
+    drafter = _drafter_for_run(runtime, s, tokens, ar.tokens)
+    for _ in speculative_steps(target, drafter, tokens, _decode_settings(s, runtime, warm), _draft_settings(s), eos):
+        pass
+    model = runtime.model_info()
+    record = settings_record(s)
+
+    def make(steps: list[dict], seconds: float) -> dict:
+        return tr.build_trace(model=model, settings=record, prompt=prompt, prompt_tokens=tokens,
+                              steps=steps, decode=runtime.decode, seconds=seconds, baseline=baseline)
+
+    steps: list[dict] = []
+    seconds, produced = 0.0, 0
+    every = max(1, math.ceil(s["max_new_tokens"] / UPDATES_PER_RUN))
+    next_update = every
+    yield make(steps, seconds)
+    gen = speculative_steps(target, drafter, tokens, _decode_settings(s, runtime), _draft_settings(s), eos)
+    while True:
+        start = time.perf_counter()
+        rec = next(gen, None)
+        elapsed = time.perf_counter() - start
+        if rec is None:
+            break
+        # the first call also prefills: count only its measured phases
+        seconds += elapsed if steps else sum(rec.times_ms.values()) / 1e3
+        steps.append(tr.step_to_dict(rec))
+        produced += len(rec.new_tokens)
+        if produced >= next_update and produced < s["max_new_tokens"]:
+            next_update = produced + every
+            yield make(steps, seconds)
+    yield make(steps, seconds)
+
+
+def reveal(trace: dict, n_steps: int) -> dict:
+    """The trace as it stood after its first `n_steps` steps (for the Step button).
+
+    Output and summary are rebuilt from those steps; the time is the complete run's time
+    scaled by the share of measured step time, the baseline is kept.
+    """
+    steps = trace["steps"][:max(0, n_steps)]
+    if len(steps) == len(trace["steps"]):
+        return trace
+    def total(ss):
+        return sum(sum(st["times_ms"].values()) for st in ss)
+    full = total(trace["steps"])
+    seconds = trace["summary"].get("seconds", 0.0) * (total(steps) / full if full > 0 else 0.0)
+    tokens, sources, step_of = [], [], []
+    for st in steps:
+        n = len(st["accepted_tokens"])
+        for j, t in enumerate(st["new_tokens"]):
+            tokens.append(t)
+            sources.append("draft" if j < n else "bonus")
+            step_of.append(st["index"])
+    text = trace.get("token_text", {})
+    out = dict(trace, steps=steps)
+    out["output"] = {"tokens": tokens, "sources": sources, "step_of": step_of,
+                     "text": "".join(text.get(str(t), "") for t in tokens)}
+    out["summary"] = tr.summarize(steps, seconds, trace.get("baseline"))
+    return out
+
+
+def replay(data: Any, runtime: Runtime | None = None) -> tuple[dict, str]:
+    """Validate a loaded trace for display; the note says if its model is not the loaded one."""
+    trace = tr.validate_trace(data)
+    model = trace.get("model", {})
+    name = visible(str(model.get("name", "unknown model")), 80)
+    if runtime is None:
+        return trace, f"Replaying a saved trace of {name} (no model needed)."
+    if model.get("fingerprint") and model.get("fingerprint") == runtime.fingerprint:
+        return trace, f"Replaying a saved trace of the loaded model ({name})."
+    return trace, (f"Replaying a saved trace of {name}, which is not the loaded model "
+                   f"({runtime.model_name}): the views show the trace as recorded; Run uses the loaded model.")
+
+
+def export_trace(trace: dict, folder: str | Path | None = None) -> Path:
+    """Write `trace-<uuid>.json` (random name: files in the app's cache are public by URL)."""
+    import uuid
+
+    folder = Path(folder or os.environ.get("GRADIO_TEMP_DIR") or Path.cwd() / ".gradio") / "traces"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"trace-{uuid.uuid4().hex}.json"
+    try:
+        data = tr.dumps(trace).encode("utf-8")
+    except UnicodeEncodeError:     # lone surrogates from an uploaded trace: keep them as \u escapes
+        data = json.dumps(trace, separators=(",", ":")).encode("ascii")
+    path.write_bytes(data)
+    return path
