@@ -1,0 +1,343 @@
+"""Block drafter (DFlash-style): one parallel pass drafts a whole block of future tokens.
+
+    context   target features of the last W accepted positions, from several target layers,
+              concatenated -> fc -> RMSNorm: one row per position ("fused" rows)
+    block     [root token, MASK x (B-1)]: the root through the target's (frozen) embedding and
+              a linear map to the drafter width, the masks a learned vector
+    layers    a few non-causal transformer layers; every block row attends to all block rows
+              and to the context rows, which are extra keys/values (they make no queries)
+    output    slot hidden h_s -> linear to the target width -> target final norm -> target
+              LM head (both frozen, read from the target, never stored in the checkpoint)
+
+Positions are relative to the root (RoPE): context rows sit at W-n..W-1, the block at W...
+The drafter keeps only fused rows of accepted positions: `reset` fills them from the prompt,
+`observe` appends the accepted tokens' rows (the root's included), and nothing of a draft is
+ever written back. Slot s of the block draft is the token s steps after the root.
+
+This file also holds the pieces the other drafters share: `TargetParts`, RoPE attention,
+the transformer layer.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from specla.drafters import tree_build
+from specla.drafters.base import Accepted, Draft, DraftContext, DraftSettings
+
+
+class TargetParts:
+    """The target's frozen embedding, final norm and LM head, borrowed by reference.
+
+    Works for our runtime (`specla.model.GDNForCausalLM`) and for fla's
+    `GatedDeltaNetForCausalLM`: both name them model.embeddings, model.norm and lm_head.
+    The tensors are plain attributes, so they never enter a drafter's state_dict.
+    """
+
+    def __init__(self, target: nn.Module):
+        self.embed_weight = target.model.embeddings.weight.detach()
+        self.norm_weight = target.model.norm.weight.detach()
+        self.norm_eps = float(getattr(target.model.norm, "eps", 1e-6))
+        self.lm_weight = target.lm_head.weight.detach()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_weight.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.embed_weight.shape[1]
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.embed_weight)
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The target's final RMSNorm (fp32 inside, as the runtime computes it)."""
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.norm_eps)
+        return (x32 * self.norm_weight.float()).to(x.dtype)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Target norm + LM head over drafter outputs already at the target width."""
+        return F.linear(self.norm(x).to(self.lm_weight.dtype), self.lm_weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.weight.float()).to(x.dtype)
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary embedding. x [..., T, H, Dh], pos [T] or [..., T] (integer positions)."""
+    half = x.shape[-1] // 2
+    inv = base ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    ang = pos.to(torch.float32)[..., None] * inv                  # [..., T, half]
+    cos, sin = ang.cos()[..., None, :], ang.sin()[..., None, :]   # broadcast over heads
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with QK-norm and RoPE; queries and keys may be different rows."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"width {width} is not a multiple of {heads} heads")
+        self.heads, self.head_dim = heads, width // heads
+        self.q_proj = nn.Linear(width, width, bias=False)
+        self.k_proj = nn.Linear(width, width, bias=False)
+        self.v_proj = nn.Linear(width, width, bias=False)
+        self.o_proj = nn.Linear(width, width, bias=False)
+        self.q_norm = RMSNorm(self.head_dim)
+        self.k_norm = RMSNorm(self.head_dim)
+
+    def keys(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated keys and values of rows x [..., T, width]: each [..., T, H, Dh]."""
+        shape = (*x.shape[:-1], self.heads, self.head_dim)
+        k = rope(self.k_norm(self.k_proj(x).view(shape)), pos)
+        return k, self.v_proj(x).view(shape)
+
+    def attend(self, x: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """Queries from x [N, T, width]; k, v [N, S, H, Dh]; mask [N|1, 1|H, T, S] (True = see)."""
+        shape = (*x.shape[:-1], self.heads, self.head_dim)
+        q = rope(self.q_norm(self.q_proj(x).view(shape)), pos)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).to(q.dtype),
+                                             v.transpose(1, 2).to(q.dtype), attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(x.shape))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(width, hidden, bias=False)
+        self.up_proj = nn.Linear(width, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    """Pre-norm transformer layer whose attention reads an arbitrary key/value set."""
+
+    def __init__(self, width: int, heads: int, mlp_hidden: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(width)
+        self.attn = Attention(width, heads)
+        self.mlp_norm = RMSNorm(width)
+        self.mlp = SwiGLU(width, mlp_hidden)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, mem: torch.Tensor | None,
+                mem_pos: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
+        """x [N, T, width] attends to [mem rows (as they are); its own normed rows]."""
+        h = self.attn_norm(x)
+        k, v = self.attn.keys(h, pos)
+        if mem is not None and mem.shape[1]:
+            mk, mv = self.attn.keys(mem, mem_pos)
+            k, v = torch.cat([mk, k], dim=1), torch.cat([mv, v], dim=1)
+        x = x + self.attn.attend(h, pos, k, v, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+@dataclasses.dataclass
+class BlockConfig:
+    target_hidden: int
+    vocab_size: int
+    feature_layers: tuple[int, ...]
+    block_size: int = 8            # root + 7 drafted slots
+    width: int = 256
+    heads: int = 4
+    layers: int = 2
+    mlp_hidden: int = 768
+    window: int = 64               # accepted positions kept as context
+
+    def __post_init__(self) -> None:
+        self.feature_layers = tuple(int(l) for l in self.feature_layers)
+        if not self.feature_layers:
+            raise ValueError("a block drafter needs at least one target feature layer")
+        if self.block_size < 2:
+            raise ValueError(f"block size must be at least 2, got {self.block_size}")
+
+
+class BlockNet(nn.Module):
+    """The block drafter's weights (plus an optional LiLiCorr head in `self.head`)."""
+
+    def __init__(self, config: BlockConfig, head: nn.Module | None = None):
+        super().__init__()
+        c = self.config = config
+        self.fc = nn.Linear(len(c.feature_layers) * c.target_hidden, c.width, bias=False)
+        self.ctx_norm = RMSNorm(c.width)
+        self.in_proj = nn.Linear(c.target_hidden, c.width, bias=False)
+        self.mask_emb = nn.Parameter(torch.randn(c.width) * 0.02)
+        self.layers = nn.ModuleList(Layer(c.width, c.heads, c.mlp_hidden) for _ in range(c.layers))
+        self.norm = RMSNorm(c.width)
+        self.out_proj = nn.Linear(c.width, c.target_hidden, bias=False)
+        self.head = head
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features [..., n_layers, D] -> fused context rows [..., width]."""
+        return self.ctx_norm(self.fc(features.flatten(-2).to(self.fc.weight.dtype)))
+
+    def forward(self, parts: TargetParts, root: torch.Tensor, ctx: torch.Tensor,
+                ctx_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One block pass.
+
+        root [N] tokens, ctx [N, n, width] fused rows (oldest first, n <= window), ctx_valid
+        [N, n] bool. Returns slot hiddens h [N, B-1, width] and logits [N, B-1, vocab].
+        """
+        c = self.config
+        N, n = ctx.shape[:2]
+        B = c.block_size
+        dev = ctx.device
+        x = torch.cat([self.in_proj(parts.embed(root).to(self.in_proj.weight.dtype))[:, None],
+                       self.mask_emb.to(self.in_proj.weight.dtype).expand(N, B - 1, c.width)], dim=1)
+        pos = torch.arange(c.window, c.window + B, device=dev)
+        ctx_pos = torch.arange(c.window - n, c.window, device=dev)
+        mask = None
+        if ctx_valid is not None:
+            see = torch.cat([ctx_valid, torch.ones(N, B, dtype=torch.bool, device=dev)], dim=1)
+            mask = see[:, None, None, :]
+        for layer in self.layers:
+            x = layer(x, pos, ctx, ctx_pos, mask)
+        h = self.norm(x)[:, 1:]
+        return h, parts.logits(self.out_proj(h))
+
+
+class BlockDrafter:
+    """The plain block drafter: trees from the slot marginals (each slot independent)."""
+
+    kind = "block"
+
+    def __init__(self, net: BlockNet, parts: TargetParts, train_top_k: int | None = None):
+        self.net = net.eval()
+        self.parts = parts
+        self.train_top_k = train_top_k
+        self.name = self.kind
+        self.feature_layers = net.config.feature_layers
+        self.ctx = self._empty()
+
+    # -- state: fused rows of accepted positions only ----------------------------------
+    def _empty(self) -> torch.Tensor:
+        w = self.net.fc.weight
+        return torch.zeros(0, self.net.config.width, device=w.device, dtype=w.dtype)
+
+    def _append(self, features: torch.Tensor | None) -> None:
+        if features is None:
+            raise ValueError("the block drafter needs target features (feature_layers "
+                             f"{self.feature_layers}); the engine passed none")
+        if features.shape[-2] != len(self.feature_layers):
+            raise ValueError(f"expected features of {len(self.feature_layers)} layers, got "
+                             f"{features.shape[-2]}")
+        window = self.net.config.window
+        with torch.no_grad():
+            rows = self.net.fuse(features[-window:].to(self.ctx.device))
+        self.ctx = torch.cat([self.ctx, rows])[-window:]
+
+    def reset(self, prompt_tokens: list[int], features: torch.Tensor | None,
+              last_hidden: torch.Tensor) -> None:
+        self.ctx = self._empty()
+        if len(prompt_tokens) > 1:
+            self._append(features)
+
+    def observe(self, accepted: Accepted) -> None:
+        self._append(accepted.features)
+
+    def context_state(self) -> dict[str, torch.Tensor]:
+        return {"ctx": self.ctx.clone()}
+
+    # -- drafting -----------------------------------------------------------------------
+    def _check(self, settings: DraftSettings) -> int:
+        settings.validate(self.parts.vocab_size)
+        trained = self.net.config.block_size
+        if settings.block_size > trained:
+            raise ValueError(f"this drafter predicts blocks of at most {trained} tokens "
+                             f"(root included); block size {settings.block_size} was asked")
+        return settings.block_size - 1
+
+    @torch.no_grad()
+    def _slots(self, root: int) -> tuple[torch.Tensor, torch.Tensor]:
+        dev = self.ctx.device
+        h, logits = self.net(self.parts, torch.tensor([root], device=dev), self.ctx[None])
+        return h[0], logits[0].float()
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        S = self._check(ctx.settings)
+        h, logits = self._slots(ctx.root_token)
+        return self._draft_from_slots(ctx, h[:S], logits[:S])
+
+    def _draft_from_slots(self, ctx: DraftContext, h: torch.Tensor, logits: torch.Tensor) -> Draft:
+        s = ctx.settings
+        S = logits.shape[0]
+        if s.temperature > 0 and s.tree == "chain":
+            probs = torch.softmax(logits / s.temperature, dim=-1)
+            tokens = torch.multinomial(probs.cpu(), 1, generator=ctx.generator)[:, 0]
+            logp = probs.cpu().gather(1, tokens[:, None])[:, 0].clamp_min(1e-30).log()
+            rows = [[(int(tokens[d]), float(logp[d]), d)] for d in range(S)]
+            proposal_rows = probs
+        else:
+            proposal_rows = None
+        # The top-k of every slot marginal: the tree's rows, and a table for the views.
+        logp = torch.log_softmax(logits, dim=-1)
+        top = logp.topk(min(s.top_k, logp.shape[-1]), dim=-1)
+        vals, ids = top.values.cpu().tolist(), top.indices.cpu().tolist()
+        if proposal_rows is None:
+            rows = [[(ids[d][j], vals[d][j], d) for j in range(len(ids[d]))] for d in range(S)]
+        tree, nodes = tree_build.build_tree(
+            ctx.root_token, tree_build.static_rows(rows), shape=s.tree, top_k=s.top_k,
+            budget=s.budget, max_depth=S, prune_tau=s.prune_tau)
+        proposal = None
+        if proposal_rows is not None:
+            proposal = torch.zeros(len(tree), proposal_rows.shape[-1], dtype=torch.float32,
+                                   device=proposal_rows.device)
+            for i, node in enumerate(nodes[1:], start=1):
+                proposal[i] = proposal_rows[node.payload].float()
+        return Draft(tree=tree, proposal=proposal, details={
+            "drafter": self.kind, "slots": {"candidates": ids, "logprobs": vals}})
+
+    # -- checkpoint -------------------------------------------------------------------------
+    def checkpoint_meta(self) -> dict:
+        c = self.net.config
+        return {"config": dataclasses.asdict(c), "feature_layers": list(c.feature_layers),
+                "block_size": c.block_size, "top_k": self.train_top_k, "window": c.window}
+
+
+def param_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def default_feature_layers(num_layers: int, count: int = 3) -> tuple[int, ...]:
+    """Layers spread over the depth, the top block included (its output is the most
+    predictive of the next token); the first block is skipped when the target is deep."""
+    lo = 1 if num_layers >= 4 else 0
+    hi = num_layers - 1
+    if count <= 1 or hi == lo:
+        return (hi,)
+    picks = {round(lo + (hi - lo) * i / (count - 1)) for i in range(count)}
+    return tuple(sorted(picks))
+
+
+def slot_weights(num_slots: int, gamma: float, device=None) -> torch.Tensor:
+    """DFlash's per-slot loss weights: exp(-(k-1)/gamma) for slot k = 1..num_slots."""
+    k = torch.arange(num_slots, device=device, dtype=torch.float32)
+    return torch.exp(-k / gamma)
+
+
+def default_gamma(block_size: int) -> float:
+    """gamma 7 for B=16 and 4 for B=8 (DESIGN.md), interpolated linearly in between."""
+    return max(1.0, 4.0 + (block_size - 8) * 3.0 / 8.0)
+
+
+__all__ = ["BlockConfig", "BlockNet", "BlockDrafter", "TargetParts", "Layer", "RMSNorm", "rope",
+           "param_count", "default_feature_layers", "slot_weights", "default_gamma"]
