@@ -57,7 +57,7 @@ class TargetOut:
 
 
 class TorchTarget:
-    """Our plain-torch runtime as a live target (CPU: tests and small runs)."""
+    """Our runtime as the live target: the exact model the drafters will serve (CPU or CUDA)."""
 
     def __init__(self, model: nn.Module, feature_layers: tuple[int, ...]):
         self.model = model.eval().requires_grad_(False)
@@ -764,6 +764,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--feature-layers", default=None, help="comma-separated target layers")
     p.add_argument("--gen-fraction", type=float, default=0.2)
+    p.add_argument("--live", choices=("torch", "fla"), default="torch",
+                   help="the live target: this project's runtime (default; on CUDA its Triton "
+                        "chain kernel, batched) or fla's model (eager generation is ~100x slower)")
     p.add_argument("--gen-tokens", type=int, default=8_000_000)
     p.add_argument("--gen-batch", type=int, default=1024)
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (tests)")
@@ -801,7 +804,7 @@ def main(argv: list[str] | None = None) -> int:
     train_bin = np.memmap(Path(args.data) / "train.bin", dtype=np.uint16, mode="r")
     summary: dict = {"device": str(device), "torch": torch.__version__, "minutes_budget": args.minutes,
                      "kinds": kinds, "feature_layers": list(feature_layers), "hparams": dataclasses.asdict(hp)}
-    if device.type == "cuda":
+    if device.type == "cuda" and args.live == "fla":
         model, how = load_fla_target(args.target, str(device))
         live = FlaTarget(model, config, feature_layers)
         summary["target_loader"] = how
@@ -811,7 +814,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[drafter-train] fla vs runtime: {json.dumps(summary['alignment'])}")
     else:
         live = TorchTarget(load_runtime_target(args.target, str(device)), feature_layers)
-        summary["target_loader"] = "specla runtime (CPU)"
+        summary["target_loader"] = f"specla runtime ({device.type}, fp32)"
     fingerprint = target_fingerprint(config, live.model.model.embeddings.weight)
     summary["target"] = fingerprint
 
