@@ -1,0 +1,1082 @@
+"""Benchmarks: `python -m specla bench [options]` (also `python -m specla.bench`).
+
+Suites (`--suite`, default all):
+  runtime     AR decode at the GDN-1.3B public shape (and a small one), random bf16 weights,
+              512-token prompt: fla's model eager, fla's model in one CUDA graph, our
+              GraphedAR; the memory floor; our logits and greedy tokens against fla's.
+  e2e         speculative decoding against GraphedAR in the same process: the oracle drafter
+              at controlled acceptance (chains and trees, GDN-1.3B shape) and the embedded
+              target with its trained drafters. `--device cpu`: the eager loop
+              (specla.decode) on the embedded pair, or a tiny random target with `--tiny`.
+  kernels     kernels/bench_kernels.py (verify and commit kernels, GPU).
+  acceptance  tau of the trained drafters and exactness (specla.acceptance).
+
+Each suite writes <suite>.json into --out as it goes (a crash loses at most one variant),
+then report.md (and report.html when plotly is importable) is written from all JSON files
+there. Every timing is {"runs", "median", "min", "max"}; a speedup is a ratio of medians
+measured in the same process.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "benchmarks" / "results"
+SUITES = ("runtime", "e2e", "kernels", "acceptance")
+PROMPT_FILES = (ROOT / "data" / "corpus" / "heldout_prompts.jsonl", ROOT / "examples" / "prompts.jsonl")
+
+try:
+    from tqdm import tqdm
+except ImportError:  # progress bars are a nicety
+    def tqdm(it, **kw):
+        return it
+
+
+# --------------------------------------------------------------------------- small helpers
+
+def stat(values) -> dict:
+    """Run count, median, min, max (and the values) of a list of numbers."""
+    values = [float(v) for v in values]
+    if not values:
+        return {"runs": 0, "median": None, "min": None, "max": None, "values": []}
+    return {"runs": len(values), "median": statistics.median(values), "min": min(values),
+            "max": max(values), "values": [round(v, 6) for v in values]}
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if not a or not b else a / b
+
+
+class Deadline:
+    """Wall-clock budget: suites stop starting new variants once it is spent."""
+
+    def __init__(self, seconds: float | None):
+        self.end = None if seconds is None else time.monotonic() + seconds
+
+    def left(self) -> float:
+        return float("inf") if self.end is None else self.end - time.monotonic()
+
+    def ok(self, need: float = 0.0) -> bool:
+        return self.left() > need
+
+
+class Results:
+    """One suite's JSON, rewritten after every change so a crash loses at most one variant."""
+
+    def __init__(self, out: Path, name: str, env: dict):
+        self.path = out / f"{name}.json"
+        self.data = {"suite": name, "environment": env}
+
+    def __getitem__(self, key):
+        return self.data[key]
+
+    def __setitem__(self, key, value):
+        self.data[key] = value
+        self.save()
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=_jsonable))
+        tmp.replace(self.path)
+
+
+def _jsonable(x):
+    if dataclasses.is_dataclass(x):
+        return dataclasses.asdict(x)
+    if isinstance(x, (torch.dtype, torch.device, Path)):
+        return str(x)
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    return repr(x)
+
+
+def guarded(record: dict, key: str, fn, *args, **kwargs):
+    """Run one variant; on failure keep the traceback in the results and go on."""
+    try:
+        value = fn(*args, **kwargs)
+        record[key] = value
+        return value
+    except Exception as err:  # noqa: BLE001 - one failing variant must not lose the others
+        record[key] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-4000:]}
+        print(f"  ! {key} failed: {type(err).__name__}: {err}", flush=True)
+        if torch.cuda.is_available():
+            try:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            except Exception:  # noqa: BLE001 - a sticky CUDA error: nothing more to save
+                pass
+        return None
+
+
+def git_commit() -> dict:
+    """Commit and dirtiness from git, or from .git itself when the git binary is missing."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode == 0:
+            dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True,
+                                   text=True, timeout=10).stdout.strip() != ""
+            return {"commit": head.stdout.strip(), "dirty": dirty, "source": "git"}
+    except (OSError, subprocess.SubprocessError):
+        pass
+    git = ROOT / ".git"
+    try:
+        ref = (git / "HEAD").read_text().strip()
+        if not ref.startswith("ref:"):
+            return {"commit": ref, "dirty": None, "source": ".git/HEAD"}
+        name = ref.split(None, 1)[1]
+        if (git / name).exists():
+            return {"commit": (git / name).read_text().strip(), "ref": name, "dirty": None, "source": ".git"}
+        for line in (git / "packed-refs").read_text().splitlines():
+            if line.endswith(" " + name):
+                return {"commit": line.split()[0], "ref": name, "dirty": None, "source": "packed-refs"}
+    except OSError:
+        pass
+    return {"commit": None, "dirty": None, "source": "unknown"}
+
+
+def environment(device: torch.device, argv: list[str]) -> dict:
+    def version(mod):
+        try:
+            return __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - absent or broken: say so
+            return None
+
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": " ".join(["python -m specla bench"] + list(argv)),
+           "device": str(device), "python": platform.python_version(),
+           "torch": torch.__version__, "triton": version("triton"), "fla": version("fla"),
+           "transformers": version("transformers"), "cpu_count": os.cpu_count(),
+           "torch_threads": torch.get_num_threads(), "git": git_commit()}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(gpu=torch.cuda.get_device_name(device),
+                   gpu_memory_gib=round(props.total_memory / 2**30, 1), sm_count=props.multi_processor_count, cuda=torch.version.cuda,
+                   tf32_matmul=torch.backends.cuda.matmul.allow_tf32)
+    return env
+
+
+def random_prompt(vocab: int, length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(length)]
+
+
+def timing(runs_ms: list[float], tokens: int, bytes_per_step: int | None = None,
+           floor_ms: float | None = None) -> dict:
+    """ms/token and tokens/s stats of runs that each produced `tokens` tokens."""
+    per_token = [ms / tokens for ms in runs_ms]
+    out = {"tokens_per_run": tokens, "ms_per_token": stat(per_token),
+           "tokens_per_s": stat([1e3 / x for x in per_token])}
+    med = out["ms_per_token"]["median"]
+    if bytes_per_step and med:
+        out["achieved_GBps"] = bytes_per_step / (med * 1e6)   # bytes per ms -> GB/s
+    if floor_ms and med:
+        out["fraction_of_floor"] = floor_ms / med
+    return out
+
+
+def fmt(s: dict | None, digits: int = 3) -> str:
+    """'median (min-max, n=R)' of a stat dict."""
+    if not isinstance(s, dict) or s.get("median") is None:
+        return "-"
+    f = f"{{:.{digits}f}}"
+    return f"{f.format(s['median'])} ({f.format(s['min'])}-{f.format(s['max'])}, n={s['runs']})"
+
+
+def num(x, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def free_cuda() -> None:
+    import gc
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------- runtime suite
+
+def small_config():
+    from specla.config import GDNConfig
+    return GDNConfig(vocab_size=8192, hidden_size=512, num_hidden_layers=4, num_heads=4,
+                     head_dim=128, expand_v=2.0)
+
+
+def suite_runtime(args, env, deadline: Deadline) -> dict:
+    from specla import cuda_graphs as cg
+    from specla.config import PUBLIC_1P3B
+
+    res = Results(args.out, "runtime", env)
+    if args.device.type != "cuda":
+        res["skipped"] = "the runtime suite compares CUDA-graph runtimes: run it with --device cuda"
+        return res.data
+    res["copy_bandwidth_GBps"] = stat(cg.copy_bandwidth(args.device))
+    print(f"copy bandwidth {res['copy_bandwidth_GBps']['median']:.0f} GB/s", flush=True)
+    res["models"] = {}
+    for name, config in (("gdn-1.3b-public", PUBLIC_1P3B), ("small", small_config())):
+        if not deadline.ok(60):
+            res["models"][name] = {"skipped": "deadline"}
+            continue
+        entry = res["models"][name] = {}
+        guarded(entry, "status", runtime_for_model, name, config, args, res, deadline)
+        res.save()
+        free_cuda()
+    return res.data
+
+
+def runtime_for_model(name, config, args, res: Results, deadline: Deadline) -> dict:
+    from specla import cuda_graphs as cg
+
+    dev, dtype = args.device, torch.bfloat16
+    n = args.tokens or (64 if args.quick else 256)
+    repeats = args.repeats or (3 if args.quick else 5)
+    n_eager, repeats_eager = (8, 2) if args.quick else (16, 3)
+    compare_last = 32
+    print(f"[runtime] {name}: building random bf16 target", flush=True)
+    target = cg.random_target(config, dev, dtype, seed=args.seed)
+    prompt = random_prompt(config.vocab_size, args.prompt_len, args.seed)
+    root = prompt[-1]
+    nbytes = cg.decode_bytes(target)
+    bw = res["copy_bandwidth_GBps"]["median"]
+    out = {"config": dataclasses.asdict(config), "prompt_tokens": len(prompt), "new_tokens": n,
+           "parameters": sum(p.numel() for p in target.parameters()),
+           "bytes_per_step": nbytes, "memory_floor_ms": nbytes["total"] / (bw * 1e6),
+           "variants": {}}
+    res["models"][name]["result"] = out
+    variants = out["variants"]
+    floor = out["memory_floor_ms"]
+    ours = {}
+
+    def ours_graph(ops):
+        rt = cg.Runtime(target, ops)
+        ar = cg.GraphedAR(rt, max_len=n + 8)
+        last = ar.prefill(prompt, record_last=compare_last)
+        snap = ar.state.clone()
+        ar.timed_generate(snap, root, n)                     # warm-up run
+        runs = [ar.timed_generate(snap, root, n) for _ in range(repeats)]
+        tokens = runs[0][0]
+        if "tokens" not in ours:
+            ours.update(tokens=tokens, last=last, rt=rt, snap=snap)
+        v = timing([ms for _, ms in runs], n, nbytes["total"], floor)
+        v.update(ops=rt.ops_note, fp32_logits=rt.head_fp32, graph=True,
+                 deterministic=all(t == tokens for t, _ in runs))
+        return v
+
+    for ops in ("auto", "torch"):
+        key = "ours_graph" if ops == "auto" else "ours_graph_torch_ops"
+        print(f"[runtime] {name}: {key}", flush=True)
+        guarded(variants, key, ours_graph, ops)
+        res.save()
+
+    def ours_eager():
+        ar = cg.GraphedAR(ours["rt"], max_len=n_eager + 2, use_graph=False)
+        ar.timed_generate(ours["snap"], root, 2)
+        runs = [ar.timed_generate(ours["snap"], root, n_eager)[1] for _ in range(repeats_eager)]
+        return {**timing(runs, n_eager, nbytes["total"], floor), "graph": False, "ops": ours["rt"].ops_note}
+
+    if "rt" in ours:
+        print(f"[runtime] {name}: ours_eager", flush=True)
+        guarded(variants, "ours_eager", ours_eager)
+        res.save()
+
+    fla = {}
+
+    def fla_setup():
+        ar = cg.FlaAR(cg.build_fla_model(target), max_len=n + 8)
+        fla["prefill_logits"] = ar.prefill(prompt)
+        fla["ar"] = ar
+        return {"prefill": "fla forward in pieces of 64 tokens with its cache"}
+
+    def fla_eager():
+        ar = fla["ar"]
+        ar.eager_generate(2)
+        runs = [ar.eager_generate(n_eager) for _ in range(repeats_eager)]
+        fla["eager_tokens"] = runs[0][0]
+        return {**timing([ms for _, ms in runs], n_eager, nbytes["total"], floor), "graph": False}
+
+    def fla_graph():
+        ar = fla["ar"]
+        mode = ar.capture()
+        ar.graph_generate(n)
+        runs = [ar.graph_generate(n) for _ in range(repeats)]
+        fla["graph_tokens"] = runs[0][0]
+        return {**timing([ms for _, ms in runs], n, nbytes["total"], floor), "graph": True,
+                "capture": mode, "capture_errors": ar.capture_error,
+                "deterministic": all(t == runs[0][0] for t, _ in runs)}
+
+    print(f"[runtime] {name}: fla", flush=True)
+    guarded(out, "fla_setup", fla_setup)
+    if "ar" in fla:
+        guarded(variants, "fla_eager", fla_eager)
+        res.save()
+        guarded(variants, "fla_graph", fla_graph)
+        res.save()
+        if "tokens" in ours:
+            guarded(out, "correctness", runtime_correctness, fla, ours, prompt, n, compare_last)
+    med = lambda key: (variants.get(key) or {}).get("ms_per_token", {}).get("median")  # noqa: E731
+    out["speedups"] = {"ours_graph_vs_fla_graph": ratio(med("fla_graph"), med("ours_graph")),
+                       "ours_graph_vs_fla_eager": ratio(med("fla_eager"), med("ours_graph")),
+                       "fla_graph_vs_fla_eager": ratio(med("fla_eager"), med("fla_graph")),
+                       "ours_fla_ops_vs_torch_ops": ratio(med("ours_graph_torch_ops"), med("ours_graph"))}
+    res.save()
+    return "ok"
+
+
+def runtime_correctness(fla: dict, ours: dict, prompt: list[int], n: int, compare_last: int) -> dict:
+    """Our logits vs fla's at the prompt's last positions, then our greedy tokens judged by fla
+    teacher-forced on them: a divergence is excused only if fla's own logit gap between its
+    pick and ours is within twice the measured logit difference (each logit moves by at most
+    that much, so a flip needs gap <= 2 * diff)."""
+    ours_last, fla_last = ours["last"], fla["prefill_logits"][-compare_last:]
+    diff = ours_last - fla_last
+    max_abs = float(diff.abs().max())
+    out = {"compared_positions": compare_last, "max_abs_logit_diff": max_abs,
+           "rel_logit_diff": float(diff.norm() / fla_last.norm()),
+           "top1_agreement": float((ours_last.argmax(-1) == fla_last.argmax(-1)).float().mean())}
+    tokens = ours["tokens"]
+    rows = fla["ar"].full_logits(prompt + tokens[:-1])[len(prompt) - 1:]
+    picks = rows.argmax(-1).tolist()
+    threshold = 2 * max_abs
+    divs = []
+    for i, (mine, theirs) in enumerate(zip(tokens, picks)):
+        if mine != theirs:
+            gap = float(rows[i, theirs] - rows[i, mine])
+            divs.append({"position": i, "ours": mine, "fla": theirs, "gap": gap, "excused": gap <= threshold})
+    out.update(greedy_tokens=n, teacher_forced_divergences=divs, excuse_threshold=threshold,
+               unexcused=sum(not d["excused"] for d in divs),
+               rule="fla teacher-forced on our greedy tokens; excused if fla's gap <= 2 * max_abs_logit_diff")
+    for key in ("graph_tokens", "eager_tokens"):
+        if key in fla:
+            theirs = fla[key]
+            first = next((i for i, (a, b) in enumerate(zip(tokens, theirs)) if a != b), None)
+            out[f"first_divergence_vs_fla_{key.split('_')[0]}"] = first
+    if "graph_tokens" in fla and "eager_tokens" in fla:
+        e, g = fla["eager_tokens"], fla["graph_tokens"]
+        out["fla_graph_equals_fla_eager_prefix"] = e == g[:len(e)]
+    return out
+
+
+# --------------------------------------------------------------------------- e2e suite
+
+def oracle_topologies(quick: bool):
+    from specla.cuda_graphs import comb_tree
+    from specla.tree import DraftTree
+
+    chains = (8,) if quick else (4, 8, 16)
+    trees = ((4, 16),) if quick else ((2, 16), (4, 16), (4, 32))
+    out = [(f"chain-{b}", DraftTree.chain([0] * (b + 1))) for b in chains]
+    out += [(f"tree-w{w}-b{b}", comb_tree(w, b)) for w, b in trees]
+    return out
+
+
+def suite_e2e(args, env, deadline: Deadline) -> dict:
+    res = Results(args.out, "e2e", env)
+    if args.device.type == "cuda":
+        # the embedded pair first, capped, so the 1.3B oracle sweep keeps most of the time
+        pair_deadline = Deadline(min(deadline.left(), args.pair_budget))
+        guarded(res.data, "pair_status", e2e_pair_gpu, args, res, pair_deadline)
+        res.save()
+        free_cuda()
+        guarded(res.data, "oracle_status", e2e_oracle_gpu, args, res, deadline)
+    else:
+        guarded(res.data, "pair_status", e2e_cpu, args, res, deadline)
+    res.save()
+    return res.data
+
+
+def e2e_oracle_gpu(args, res: Results, deadline: Deadline) -> dict:
+    """Oracle drafter at controlled acceptance on the GDN-1.3B public shape, all on device."""
+    from specla import cuda_graphs as cg
+    from specla.config import PUBLIC_1P3B
+
+    config = small_config() if args.tiny else PUBLIC_1P3B
+    n = args.tokens or (96 if args.quick else 256)
+    repeats = args.repeats or 3
+    alphas = (0.7, 0.9) if args.quick else (0.5, 0.6, 0.7, 0.8, 0.9)
+    topologies = oracle_topologies(args.quick)
+    max_path = max(t.depth + 1 for _, t in topologies)
+    out = res.data["oracle"] = {"config": dataclasses.asdict(config), "new_tokens": n,
+                                "prompt_tokens": args.prompt_len, "alphas": list(alphas), "rows": []}
+    print("[e2e] oracle: building random bf16 target", flush=True)
+    target = cg.random_target(config, args.device, torch.bfloat16, seed=args.seed)
+    prompt = random_prompt(config.vocab_size, args.prompt_len, args.seed)
+    root = prompt[-1]
+    rt = cg.Runtime(target, args.ops)
+    out["ops"], out["fp32_logits"] = rt.ops_note, rt.head_fp32
+    capacity = n + 2 * max_path + 8
+    ar = cg.GraphedAR(rt, max_len=capacity + max_path + 8)
+    ar.prefill(prompt)
+    snap = ar.state.clone()
+
+    def ar_baseline():
+        ar.timed_generate(snap, root, n)
+        runs = [ar.timed_generate(snap, root, n) for _ in range(max(repeats, 5))]
+        return timing([ms for _, ms in runs], n)
+
+    out["ar"] = ar_baseline()
+    res.save()
+    t_ar = out["ar"]["ms_per_token"]["median"]
+    cont = ar.timed_generate(snap, root, capacity)[0]
+    ar_tokens = cont[:n]
+    noise = guarded(out, "spec_vs_ar_logit_noise", cg.spec_vs_ar_noise, rt, ar, snap, root, cont,
+                    16, args.recurrence)
+    threshold = 2 * noise if isinstance(noise, float) else 0.0
+    out["excuse_threshold"] = threshold
+    print(f"[e2e] AR {t_ar:.3f} ms/token; spec-vs-AR logit noise {noise}", flush=True)
+
+    def run_config(name, tree, alphas_here, deferred=True):
+        state = cg.SpecState(rt, max_path=tree.depth + 1, capacity=capacity)
+        oracle = cg.DeviceOracle(cont, config.vocab_size, 0.0, max_steps=capacity + 1,
+                                 max_nodes=len(tree), capacity=capacity + 2 * max_path + 8,
+                                 device=args.device, seed=args.seed)
+        spec = cg.GraphedSpec(rt, state, tree, mode="auto", deferred=deferred, oracle=oracle,
+                              recurrence=args.recurrence, split_graphs=True)
+        for alpha in alphas_here:
+            if not deadline.ok(20):
+                out["rows"].append({"name": name, "alpha": alpha, "skipped": "deadline"})
+                continue
+            row = {"name": name, "kind": "oracle", "topology": name, "nodes": len(tree),
+                   "depth": tree.depth, "mode": spec.mode, "alpha": alpha, "deferred": deferred,
+                   "capture_ms": spec.capture_ms}
+            guarded(row, "result", oracle_row, spec, ar, snap, root, n, alpha, cont, ar_tokens,
+                    repeats, t_ar, threshold)
+            if isinstance(row.get("result"), dict) and "error" not in row["result"]:
+                row.update(row.pop("result"))
+            out["rows"].append(row)
+            res.save()
+            r = row
+            if "speedup" in r:
+                print(f"[e2e] {name} alpha={alpha}: tau {r['tau']:.2f}, {r['ms_per_token']['median']:.3f} "
+                      f"ms/token, speedup {r['speedup']:.2f}x (bound {r['bound']:.2f})", flush=True)
+        return "ok"
+
+    def topology(name, tree, alphas_here, deferred=True):
+        failure: dict = {}
+        if guarded(failure, "result", run_config, name, tree, alphas_here, deferred) is None:
+            out["rows"].append({"name": name, **failure["result"]})
+        free_cuda()
+
+    for name, tree in tqdm(topologies, desc="oracle topologies"):
+        if not deadline.ok(30):
+            out["rows"].append({"name": name, "skipped": "deadline"})
+            continue
+        topology(name, tree, alphas)
+    # the deferred commit's share: the longest chain again with the commit done immediately
+    chain = max((t for t in topologies if t[0].startswith("chain")), key=lambda t: len(t[1]))
+    if deadline.ok(30):
+        topology(chain[0] + "-immediate", chain[1], (0.8,), False)
+    out["ar_after"] = ar_baseline()
+    res.save()
+    return "ok"
+
+
+def oracle_row(spec, ar, snap, root, n, alpha, cont, ar_tokens, repeats, t_ar, threshold) -> dict:
+    from specla import cuda_graphs as cg
+
+    spec.oracle.set_alpha(alpha)
+    spec.oracle.set_continuation(cont)
+    cal = cg.oracle_calibrate(spec, ar, snap, root, n)
+    runs = [cg.oracle_timed(spec, snap, root, n, cal.steps) for _ in range(repeats)]
+    split = cg.oracle_split(spec, snap, root, cal.steps)
+    tokens = runs[0].tokens
+    per_token = [r.ms / len(r.tokens) for r in runs]
+    step_ms = [r.ms / r.steps for r in runs]
+    tau = len(tokens) / runs[0].steps
+    t_spec = statistics.median(per_token)
+    first = next((i for i, (a, b) in enumerate(zip(tokens, ar_tokens)) if a != b), None)
+    divs = [{**d, "excused": d["gap"] <= threshold} for d in cal.divergences]
+    return {
+        "tokens": len(tokens), "target_forwards": runs[0].steps, "tau": tau,
+        "ms_per_token": stat(per_token), "tokens_per_s": stat([1e3 / x for x in per_token]),
+        "step_ms": stat(step_ms), "ar_ms_per_token": t_ar,
+        # bound: the speedup if drafting, acceptance and commit cost nothing (verify only)
+        "speedup": t_ar / t_spec, "bound": tau * t_ar / split["verify"],
+        "time_split_ms_per_step": {**split,
+                                   "graph_launch_and_gaps": statistics.median(step_ms) - sum(split.values())},
+        "accepted_hist": _hist(runs[0].accepted),
+        "exact": {"checked_tokens": min(n, len(tokens)), "equal_to_ar": first is None,
+                  "first_mismatch": first, "divergences": divs,
+                  "unexcused": sum(not d["excused"] for d in divs),
+                  "reproduced_in_timed_runs": all(r.tokens == cal.tokens for r in runs),
+                  "rule": "a divergence is where the target's greedy token left AR's (same prefix); "
+                          "the step was redone with the target's token; excused if the gap <= 2 * "
+                          "the measured spec-vs-AR logit noise"},
+    }
+
+
+def _hist(values) -> dict:
+    out = {}
+    for v in values:
+        out[str(v)] = out.get(str(v), 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+
+
+def drafter_settings(kind: str, drafter):
+    """The draft shapes measured for each kind of trained drafter."""
+    from specla.drafters.base import DraftSettings
+
+    if kind in ("block", "lilicorr"):
+        block = getattr(getattr(getattr(drafter, "net", None), "config", None), "block_size", 8) or 8
+        return [("chain", DraftSettings(tree="chain", block_size=block, top_k=4, budget=block - 1)),
+                ("best-first-16", DraftSettings(tree="best-first", block_size=block, top_k=4, budget=16))]
+    return [("best-first-16", DraftSettings(tree="best-first", top_k=4, budget=16, depth=6)),
+            ("chain-6", DraftSettings(tree="chain", top_k=1, budget=6, depth=6))]
+
+
+def load_pair(device, quick: bool, limit: int | None, drafters_dir: Path | None = None):
+    """(target, tokenizer, {kind: drafter}, prompts as token lists, notes) or a skip reason."""
+    from specla.checkpoint import load_model
+    from specla.drafters import load_drafter
+
+    target_dir = ROOT / "assets" / "target"
+    if not (target_dir / "config.json").exists():
+        return None, f"no embedded target at {target_dir}"
+    target, tokenizer, _ = load_model(target_dir, device=device)
+    if tokenizer is None:
+        return None, f"{target_dir} has no tokenizer"
+    drafters, notes = {}, []
+    for folder in sorted(Path(drafters_dir or ROOT / "assets" / "drafters").glob("*")):
+        if folder.is_dir():
+            try:
+                drafters[folder.name] = load_drafter(folder, target)
+            except Exception as err:  # noqa: BLE001 - report the drafter, go on with the rest
+                notes.append(f"{folder.name}: {type(err).__name__}: {err}")
+    prompt_file = next((p for p in PROMPT_FILES if p.exists()), None)
+    if prompt_file is None:
+        return None, "no prompt file (data/corpus/heldout_prompts.jsonl or examples/prompts.jsonl)"
+    from specla.acceptance import read_prompts
+
+    texts = read_prompts(prompt_file, limit or (3 if quick else 8))
+    prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    prompts = [p for p in prompts if len(p) >= 2]
+    return (target, tokenizer, drafters, prompts, {"prompt_file": str(prompt_file.relative_to(ROOT)),
+                                                   "drafter_notes": notes}), None
+
+
+def e2e_pair_gpu(args, res: Results, deadline: Deadline) -> dict:
+    """The embedded target with each trained drafter: drafting eager between graph replays."""
+    from specla import cuda_graphs as cg
+
+    loaded, skip = load_pair(args.device, args.quick, args.prompts, args.drafters)
+    if loaded is None:
+        res.data["pair"] = {"skipped": skip}
+        return "skipped"
+    target, _, drafters, prompts, notes = loaded
+    n = args.tokens or (64 if args.quick else 128)
+    out = res.data["pair"] = {"new_tokens": n, "prompts": len(prompts), **notes, "rows": []}
+    if not drafters:
+        out["skipped"] = "no loadable drafters in assets/drafters"
+        return "skipped"
+    rt = cg.Runtime(target, args.ops)
+    out["ops"] = rt.ops_note
+    ar = cg.GraphedAR(rt, max_len=n + 64)
+    prefilled = {}
+
+    def ar_for(i, feature_layers):
+        key = (i, tuple(feature_layers))
+        if key not in prefilled:
+            pre = rt.prefill(prompts[i], tuple(feature_layers))
+            ar.timed_generate(pre[0], prompts[i][-1], n)                   # warm
+            runs = [ar.timed_generate(pre[0], prompts[i][-1], n) for _ in range(3)]
+            prefilled[key] = (pre, runs[0][0], statistics.median(ms for _, ms in runs) / n)
+        return prefilled[key]
+
+    noise = None
+    for kind, drafter in drafters.items():
+        for label, settings in drafter_settings(kind, drafter):
+            if not deadline.ok(30):
+                out["rows"].append({"drafter": kind, "settings": label, "skipped": "deadline"})
+                continue
+            row = {"name": f"{kind}/{label}", "kind": "drafter", "drafter": kind, "settings": label,
+                   "draft_settings": dataclasses.asdict(settings)}
+
+            def measure():
+                nonlocal noise
+                max_path = cg.max_path_for(settings.budget)
+                dec = cg.GraphedDecoder(rt, drafter, settings, max_path=max_path, capacity=n + max_path + 8,
+                                        recurrence=args.recurrence)
+                ar_ms, spec_ms, tokens, steps, divs, phases = [], [], 0, 0, [], {}
+                for i in range(len(prompts)):
+                    pre, ref, t_ar = ar_for(i, drafter.feature_layers)
+                    if noise is None:
+                        noise = cg.spec_vs_ar_noise(rt, ar, pre[0], prompts[i][-1], ref, 16, args.recurrence)
+                    if i == 0:
+                        dec.generate(prompts[i], n, prefilled=pre)        # warm-up: captures, compiles
+                    run = dec.generate(prompts[i], n, reference=ref, prefilled=pre)
+                    ar_ms.append(t_ar)
+                    spec_ms.append(run.ms / len(run.tokens))
+                    tokens += len(run.tokens)
+                    steps += run.steps
+                    for k, v in run.phases_ms.items():
+                        phases[k] = phases.get(k, 0.0) + v
+                    if run.divergence:
+                        divs.append({"prompt": i, **run.divergence,
+                                     "excused": run.divergence["gap"] <= 2 * noise})
+                t_ar, t_spec = statistics.median(ar_ms), statistics.median(spec_ms)
+                tau = tokens / steps
+                t_graph = phases["graph"] / steps          # verify + accept + the readback
+                return {"tokens": tokens, "target_forwards": steps, "tau": tau,
+                        "ms_per_token": stat(spec_ms), "tokens_per_s": stat([1e3 / x for x in spec_ms]),
+                        "ar_ms_per_token": stat(ar_ms), "speedup": t_ar / t_spec,
+                        "bound": tau * t_ar / t_graph,
+                        "time_split_ms_per_step": {k: v / steps for k, v in phases.items()},
+                        "graphs": len(dec.specs), "capture_ms": dec.capture_ms,
+                        "exact": {"prompts": len(prompts), "diverging_prompts": len(divs),
+                                  "unexcused": sum(not d["excused"] for d in divs), "divergences": divs,
+                                  "excuse_threshold": 2 * noise}}
+
+            guarded(row, "result", measure)
+            if isinstance(row["result"], dict) and "error" not in row["result"]:
+                row.update(row.pop("result"))
+            out["rows"].append(row)
+            res.save()
+    return "ok"
+
+
+def e2e_cpu(args, res: Results, deadline: Deadline) -> dict:
+    """The eager loop (specla.decode) on the CPU: the embedded pair, or a tiny random target
+    with the oracle drafter (`--tiny`, or when the assets are absent)."""
+    loaded, skip = (None, "--tiny") if args.tiny else load_pair(args.device, args.quick, args.prompts, args.drafters)
+    if loaded is None:
+        out = e2e_cpu_tiny(args, res, deadline)
+        out["why_tiny"] = skip
+        return "ok"
+    target, _, drafters, prompts, notes = loaded
+    n = args.tokens or (64 if args.quick else 128)
+    out = res.data["pair"] = {"new_tokens": n, "prompts": len(prompts), "device": "cpu", **notes, "rows": []}
+    if not drafters:
+        out["skipped"] = "no loadable drafters in assets/drafters"
+        return "skipped"
+    for kind, drafter in drafters.items():
+        for label, settings in drafter_settings(kind, drafter):
+            if not deadline.ok(10):
+                out["rows"].append({"drafter": kind, "settings": label, "skipped": "deadline"})
+                continue
+            row = {"name": f"{kind}/{label}", "kind": "drafter", "drafter": kind, "settings": label,
+                   "draft_settings": dataclasses.asdict(settings)}
+            guarded(row, "result", eager_pair_row, target, prompts, lambda i, ref, d=drafter: d,
+                    settings, n)
+            if isinstance(row["result"], dict) and "error" not in row["result"]:
+                row.update(row.pop("result"))
+            out["rows"].append(row)
+            res.save()
+    return "ok"
+
+
+def e2e_cpu_tiny(args, res: Results, deadline: Deadline) -> dict:
+    from specla.config import GDNConfig
+    from specla.cuda_graphs import random_target
+    from specla.drafters.base import DraftSettings
+    from specla.drafters.oracle import OracleDrafter
+
+    config = GDNConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_heads=2,
+                       head_dim=32, expand_v=1.0)
+    target = random_target(config, "cpu", torch.float32, seed=args.seed)
+    n = args.tokens or (32 if args.quick else 64)
+    k = args.prompts or (2 if args.quick else 4)
+    prompts = [random_prompt(config.vocab_size, 24, args.seed + i) for i in range(k)]
+    alphas = (0.8,) if args.quick else (0.6, 0.9)
+    shapes = [("chain-4", "chain", DraftSettings(budget=4))] + (
+        [] if args.quick else [("chain-8", "chain", DraftSettings(budget=8))]) + [
+        ("tree-w2-b8", "tree", DraftSettings(budget=8, top_k=2))]
+    out = res.data["pair"] = {"new_tokens": n, "prompts": len(prompts), "device": "cpu",
+                              "target": "tiny random (oracle drafter)", "config": dataclasses.asdict(config),
+                              "rows": []}
+    for label, shape, settings in shapes:
+        for alpha in alphas:
+            if not deadline.ok(5):
+                out["rows"].append({"name": f"oracle/{label}", "alpha": alpha, "skipped": "deadline"})
+                continue
+            row = {"name": f"oracle/{label}", "kind": "oracle", "drafter": "oracle", "settings": label,
+                   "alpha": alpha}
+
+            def make(i, ref, alpha=alpha, shape=shape):
+                return OracleDrafter(ref + [0] * 64, config.vocab_size, alpha=alpha, seed=i, shape=shape)
+
+            guarded(row, "result", eager_pair_row, target, prompts, make, settings, n)
+            if isinstance(row["result"], dict) and "error" not in row["result"]:
+                row.update(row.pop("result"))
+            out["rows"].append(row)
+            res.save()
+    return out
+
+
+class _StartClock:
+    """Wraps a drafter to note when decoding starts: the first propose comes right after the
+    prefill, so spec time and AR time (`ar_generate` also excludes its prefill) compare."""
+
+    def __init__(self, drafter):
+        self.drafter, self.start = drafter, None
+        self.name, self.feature_layers = drafter.name, drafter.feature_layers
+
+    def reset(self, *a):
+        self.drafter.reset(*a)
+
+    def propose(self, ctx):
+        if self.start is None:
+            self.start = time.perf_counter()
+        return self.drafter.propose(ctx)
+
+    def observe(self, accepted):
+        self.drafter.observe(accepted)
+
+
+def eager_pair_row(target, prompts, make_drafter, settings, n: int) -> dict:
+    """AR and speculative decoding of every prompt through specla.decode (the eager loop)."""
+    from specla.decode import DecodeSettings, ar_generate, speculative_steps
+
+    ar_ms, spec_ms, tokens, steps, mismatches = [], [], 0, 0, []
+    phases: dict[str, float] = {}
+    # warm-up, not recorded: first calls pay for allocations and lazy imports
+    warm = DecodeSettings(max_new_tokens=min(n, 8), mode="auto", deferred=True)
+    ref = ar_generate(target, prompts[0], warm).tokens
+    for _ in speculative_steps(target, make_drafter(0, ref), prompts[0], warm, dataclasses.replace(settings)):
+        pass
+    for i, prompt in enumerate(prompts):
+        ds = DecodeSettings(max_new_tokens=n, mode="auto", deferred=True)
+        ar = ar_generate(target, prompt, ds)
+        ar_ms.append(1e3 * ar.seconds / len(ar.tokens))
+        drafter = _StartClock(make_drafter(i, ar.tokens))
+        records = []
+        for record in speculative_steps(target, drafter, prompt, ds, dataclasses.replace(settings)):
+            records.append(record)
+        wall = 1e3 * (time.perf_counter() - drafter.start)
+        out = [t for r in records for t in r.new_tokens]
+        spec_ms.append(wall / len(out))
+        tokens += len(out)
+        steps += len(records)
+        for r in records:
+            for k, v in r.times_ms.items():
+                phases[k] = phases.get(k, 0.0) + v
+        phases["host_other"] = phases.get("host_other", 0.0) + wall - sum(
+            sum(r.times_ms.values()) for r in records)
+        if out != ar.tokens:
+            first = next((j for j, (a, b) in enumerate(zip(out, ar.tokens)) if a != b), None)
+            mismatches.append({"prompt": i, "first_mismatch": first})
+    t_ar, t_spec = statistics.median(ar_ms), statistics.median(spec_ms)
+    tau = tokens / steps
+    return {"tokens": tokens, "target_forwards": steps, "tau": tau,
+            "ms_per_token": stat(spec_ms), "tokens_per_s": stat([1e3 / x for x in spec_ms]),
+            "ar_ms_per_token": stat(ar_ms), "speedup": t_ar / t_spec,
+            "bound": tau * t_ar / (phases.get("verify", 0.0) / steps) if phases.get("verify") else None,
+            "time_split_ms_per_step": {k: v / steps for k, v in phases.items()},
+            "exact": {"prompts": len(prompts), "mismatching_prompts": len(mismatches),
+                      "mismatches": mismatches}}
+
+
+# --------------------------------------------------------------------------- kernels, acceptance
+
+def suite_kernels(args, env, deadline: Deadline) -> dict:
+    res = Results(args.out, "kernels_run", env)
+    script = ROOT / "kernels" / "bench_kernels.py"
+    if args.device.type != "cuda":
+        res["skipped"] = "the kernel benchmark needs CUDA"
+        return res.data
+    if not script.exists():
+        res["skipped"] = f"{script.relative_to(ROOT)} is not there"
+        return res.data
+    cmd = [sys.executable, str(script), "--out", str(args.out)] + (["--quick"] if args.quick else [])
+    timeout = None if deadline.end is None else max(30, int(deadline.left() - 15))
+    print(f"[kernels] {' '.join(cmd)} (timeout {timeout})", flush=True)
+    env_vars = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env_vars)
+        rc, output = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as err:
+        partial = err.stdout or ""
+        rc, output = "timeout", partial.decode() if isinstance(partial, bytes) else partial
+    res["command"] = " ".join(cmd)
+    res["returncode"] = rc
+    res["seconds"] = time.perf_counter() - t0
+    res["output_tail"] = output[-6000:]
+    res["files"] = [p.name for p in (args.out / "kernels.json", args.out / "verify_cost.json") if p.exists()]
+    print(output[-3000:], flush=True)
+    return res.data
+
+
+def suite_acceptance(args, env, deadline: Deadline) -> dict:
+    res = Results(args.out, "acceptance", env)
+    try:
+        import specla.acceptance as acc
+    except ImportError as err:
+        res["skipped"] = f"specla.acceptance is not importable ({err})"
+        return res.data
+    if hasattr(acc, "bench_suite"):   # a suite entry point, if the module grows one
+        res["result"] = acc.bench_suite(out=args.out, device=str(args.device), quick=args.quick)
+        return res.data
+    loaded, skip = load_pair(args.device, args.quick, args.prompts, args.drafters)
+    if loaded is None:
+        res["skipped"] = skip
+        return res.data
+    target, tokenizer, drafters, prompts_tok, notes = loaded
+    res["notes"] = notes
+    texts = acc.read_prompts(ROOT / notes["prompt_file"], args.prompts or (3 if args.quick else 8))
+    n = args.tokens or (32 if args.quick else 64)
+    tokenize = lambda t: tokenizer.encode(t, add_special_tokens=False)  # noqa: E731
+    res["drafters"] = {}
+    for kind, drafter in drafters.items():
+        for label, settings in drafter_settings(kind, drafter):
+            if not deadline.ok(10):
+                continue
+            guarded(res["drafters"], f"{kind}/{label}", acc.measure_acceptance, target, tokenize,
+                    texts, drafter, settings, n)
+            res.save()
+    if deadline.ok(10):
+        guarded(res.data, "exactness", acc.exactness, target, tokenize, texts[:2], ["chain", "tree"],
+                [True, False], 0.0, n)
+    res.save()
+    return res.data
+
+
+# --------------------------------------------------------------------------- report
+
+def render(out: Path) -> Path:
+    """report.md (and report.html if plotly imports) from the suite JSON files in `out`."""
+    data = {}
+    for name in ("runtime", "e2e", "kernels_run", "acceptance"):
+        path = out / f"{name}.json"
+        if path.exists():
+            data[name] = json.loads(path.read_text())
+    lines = ["# SpecLA benchmark report", ""]
+    env = next((d.get("environment") for d in data.values() if d.get("environment")), {})
+    if env:
+        git = env.get("git") or {}
+        lines += [f"- device: {env.get('gpu') or env.get('device')} ({env.get('device')})",
+                  f"- torch {env.get('torch')}, triton {env.get('triton')}, fla {env.get('fla')}, "
+                  f"transformers {env.get('transformers')}, python {env.get('python')}",
+                  f"- commit {git.get('commit')} (dirty: {git.get('dirty')})",
+                  f"- command: `{env.get('command')}`", f"- date: {env.get('date')}", ""]
+    lines += ["Timings: median (min-max, n=runs). Speedups are ratios of medians from one process.", ""]
+    if "runtime" in data:
+        lines += _md_runtime(data["runtime"])
+    if "e2e" in data:
+        lines += _md_e2e(data["e2e"])
+    if "kernels_run" in data:
+        k = data["kernels_run"]
+        lines += ["## Kernels", "", k.get("skipped") or f"`{k.get('command')}`: return code "
+                  f"{k.get('returncode')}, {num(k.get('seconds'), 0)} s; files: {', '.join(k.get('files', []))} "
+                  "(see kernels.json, verify_cost.json)", ""]
+    if "acceptance" in data:
+        lines += _md_acceptance(data["acceptance"])
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    _html(out, data)
+    return path
+
+
+def _md_runtime(r: dict) -> list[str]:
+    lines = ["## Runtime: AR decode, ours vs fla", ""]
+    if r.get("skipped"):
+        return lines + [r["skipped"], ""]
+    bw = r.get("copy_bandwidth_GBps")
+    lines += [f"Device copy bandwidth: {fmt(bw, 0)} GB/s (read + write).", ""]
+    for name, m in (r.get("models") or {}).items():
+        m = m.get("result", m)
+        if "error" in m or "skipped" in m:
+            lines += [f"### {name}", "", f"{m.get('error') or m.get('skipped')}", ""]
+            continue
+        lines += [f"### {name}: {m.get('parameters', 0) / 1e6:.0f}M parameters, prompt {m.get('prompt_tokens')}, "
+                  f"{m.get('new_tokens')} new tokens", "",
+                  f"Memory floor {num(m.get('memory_floor_ms'))} ms/token "
+                  f"({m['bytes_per_step']['total'] / 1e9:.3f} GB per step at the measured copy rate).", "",
+                  "| variant | ms/token | tokens/s | GB/s | floor / time |", "|---|---|---|---|---|"]
+        for key, v in m.get("variants", {}).items():
+            if "error" in v:
+                lines.append(f"| {key} | failed: {v['error'][:80]} | | | |")
+                continue
+            lines.append(f"| {key} | {fmt(v['ms_per_token'])} | {fmt(v['tokens_per_s'], 0)} | "
+                         f"{num(v.get('achieved_GBps'), 0)} | {num(v.get('fraction_of_floor'), 2)} |")
+        s = m.get("speedups", {})
+        lines += ["", "Speedups: " + ", ".join(f"{k} {num(v, 2)}x" for k, v in s.items()), ""]
+        c = m.get("correctness")
+        if isinstance(c, dict) and "error" not in c:
+            lines += [f"Correctness: logits at the last {c['compared_positions']} prompt positions differ by "
+                      f"max {c['max_abs_logit_diff']:.4f} (relative {c['rel_logit_diff']:.2e}, top-1 agreement "
+                      f"{c['top1_agreement']:.3f}); {c['greedy_tokens']} greedy tokens, fla teacher-forced: "
+                      f"{len(c['teacher_forced_divergences'])} divergences, {c['unexcused']} not excused "
+                      f"(gap > {c['excuse_threshold']:.4f}); first free-running divergence vs fla graph: "
+                      f"{c.get('first_divergence_vs_fla_graph')}.", ""]
+    return lines
+
+
+def _md_e2e(e: dict) -> list[str]:
+    lines = ["## End to end", ""]
+    o = e.get("oracle")
+    if isinstance(o, dict) and o.get("rows") is not None:
+        lines += [f"### Oracle drafter, {o['config'].get('hidden_size')}-wide {o['config'].get('num_hidden_layers')}"
+                  f"-layer target, {o['new_tokens']} tokens, ops: {o.get('ops')}", "",
+                  f"AR (GraphedAR): {fmt(o.get('ar', {}).get('ms_per_token'))} ms/token; after the sweep "
+                  f"{fmt((o.get('ar_after') or {}).get('ms_per_token'))}.", "",
+                  "| topology | mode | alpha | tau | ms/token | speedup | bound | verify / accept+commit / draft / gaps (ms/step) | exact |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in o["rows"]:
+            lines.append(_md_row(r))
+        lines.append("")
+    elif isinstance(o, dict) and o.get("error"):
+        lines += ["### Oracle drafter", "", f"failed: {o['error']}", ""]
+    p = e.get("pair")
+    if isinstance(p, dict):
+        lines += [f"### {'Trained drafters' if p.get('rows') and p['rows'][0].get('kind') == 'drafter' else 'Pair'}"
+                  f" ({p.get('device', 'cuda')}, {p.get('prompts')} prompts, {p.get('new_tokens')} tokens)", ""]
+        if p.get("skipped") or p.get("error"):
+            lines += [str(p.get("skipped") or p.get("error")), ""]
+        else:
+            lines += ["| drafter / settings | alpha | tau | ms/token | AR ms/token | speedup | split (ms/step) | exact |",
+                      "|---|---|---|---|---|---|---|---|"]
+            for r in p.get("rows", []):
+                if "tau" not in r:
+                    lines.append(f"| {r.get('name')} | {r.get('alpha', '')} | {r.get('skipped') or (r.get('result') or {}).get('error', '')} | | | | | |")
+                    continue
+                split = ", ".join(f"{k} {v:.2f}" for k, v in r["time_split_ms_per_step"].items())
+                ex = r["exact"]
+                bad = ex.get("mismatching_prompts", ex.get("unexcused"))
+                lines.append(f"| {r['name']} | {r.get('alpha', '')} | {r['tau']:.2f} | {fmt(r['ms_per_token'])} | "
+                             f"{fmt(r['ar_ms_per_token'])} | {r['speedup']:.2f}x | {split} | "
+                             f"{bad} bad of {ex['prompts']} |")
+            lines.append("")
+    return lines
+
+
+def _md_row(r: dict) -> str:
+    if "tau" not in r:
+        why = r.get("skipped") or (r.get("result") or {}).get("error", "")
+        return f"| {r.get('name')} | | {r.get('alpha', '')} | {why} | | | | | |"
+    s = r["time_split_ms_per_step"]
+    ex = r["exact"]
+    exact = "equal" if ex["equal_to_ar"] else f"{len(ex['divergences'])} div ({ex['unexcused']} unexcused)"
+    return (f"| {r['name']} | {r['mode']} | {r['alpha']} | {r['tau']:.2f} | {fmt(r['ms_per_token'])} | "
+            f"{r['speedup']:.2f}x | {r['bound']:.2f}x | {s['verify']:.3f} / {s['accept_commit']:.3f} / "
+            f"{s['draft']:.3f} / {s['graph_launch_and_gaps']:.3f} | {exact} |")
+
+
+def _md_acceptance(a: dict) -> list[str]:
+    lines = ["## Acceptance", ""]
+    if a.get("skipped"):
+        return lines + [a["skipped"], ""]
+    lines += ["| drafter / settings | tau | forwards | mismatching prompts |", "|---|---|---|---|"]
+    for name, d in (a.get("drafters") or {}).items():
+        if "error" in d:
+            lines.append(f"| {name} | failed: {d['error'][:80]} | | |")
+        else:
+            lines.append(f"| {name} | {d['tau']} | {d['target_forwards']} | {d.get('mismatching_prompts')} |")
+    ex = a.get("exactness")
+    if isinstance(ex, dict) and "error" not in ex:
+        lines += ["", f"Exactness (oracle, chain/tree x deferred/immediate): {ex['mismatches']} mismatches, "
+                  f"{ex['near_ties']} near-ties."]
+    return lines + [""]
+
+
+def _html(out: Path, data: dict) -> None:
+    try:
+        import plotly.graph_objects as go
+        from plotly.subplots import make_subplots
+    except ImportError:
+        return
+    rows = ((data.get("e2e") or {}).get("oracle") or {}).get("rows") or []
+    runtime = (data.get("runtime") or {}).get("models") or {}
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("AR ms/token", "oracle speedup vs alpha"))
+    for name, m in runtime.items():
+        m = m.get("result", m)
+        variants = {k: v for k, v in (m.get("variants") or {}).items() if "ms_per_token" in v}
+        medians = [v["ms_per_token"]["median"] for v in variants.values()]
+        fig.add_trace(go.Bar(name=name, x=list(variants), y=medians), row=1, col=1)
+    by_topo: dict[str, list] = {}
+    for r in rows:
+        if "speedup" in r:
+            by_topo.setdefault(r["name"], []).append((r["alpha"], r["speedup"]))
+    for name, pts in by_topo.items():
+        pts.sort()
+        fig.add_trace(go.Scatter(name=name, x=[a for a, _ in pts], y=[s for _, s in pts],
+                                 mode="lines+markers"), row=1, col=2)
+    fig.update_layout(title="SpecLA benchmarks", height=500)
+    (out / "report.html").write_text(fig.to_html(include_plotlyjs=True, full_html=True))
+
+
+# --------------------------------------------------------------------------- main
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m specla bench", description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="default: cuda when available")
+    p.add_argument("--suite", choices=SUITES + ("all",), default="all")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default benchmarks/results)")
+    p.add_argument("--json", action="store_true", help="print the summary JSON on the last line")
+    p.add_argument("--quick", action="store_true", help="fewer variants, prompts and tokens (a smoke run)")
+    p.add_argument("--tokens", type=int, help="new tokens per run (overrides the suite default)")
+    p.add_argument("--prompts", type=int, help="prompts per drafter (overrides the suite default)")
+    p.add_argument("--repeats", type=int, help="timed runs per variant")
+    p.add_argument("--prompt-len", type=int, default=512, help="random prompt length (runtime, oracle)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--deadline", type=float, default=None,
+                   help="seconds; no new variant starts after this (default: 520 on CUDA, none on CPU)")
+    p.add_argument("--ops", choices=("auto", "fla", "torch"), default="auto",
+                   help="per-layer ops of our runtime (auto: fla's fused kernels on CUDA)")
+    p.add_argument("--recurrence", choices=("kernels", "torch"), default="kernels",
+                   help="verifier inside the speculative graphs (kernels: kernels/triton_verify)")
+    p.add_argument("--pair-budget", type=float, default=150.0,
+                   help="seconds for the embedded pair within the CUDA e2e suite (default 150)")
+    p.add_argument("--render", action="store_true", help="only rewrite report.md/html from --out")
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)   # tests: tiny random target
+    p.add_argument("--drafters", type=Path, default=None, help=argparse.SUPPRESS)  # default assets/drafters
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.out = args.out.resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.render:
+        print(f"wrote {render(args.out)}")
+        return 0
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda was asked for, but no CUDA GPU is available", file=sys.stderr)
+        return 2
+    args.device = torch.device(args.device)
+    if args.deadline is None and args.device.type == "cuda":
+        args.deadline = 520.0
+    deadline = Deadline(args.deadline)
+    torch.manual_seed(args.seed)
+    env = environment(args.device, argv)
+    print(f"bench on {env.get('gpu') or env['device']}: torch {env['torch']}, triton {env['triton']}, "
+          f"fla {env['fla']}, commit {(env['git'] or {}).get('commit')}", flush=True)
+    suites = SUITES if args.suite == "all" else (args.suite,)
+    runners = {"runtime": suite_runtime, "e2e": suite_e2e, "kernels": suite_kernels,
+               "acceptance": suite_acceptance}
+    summary = {"environment": env, "suites": {}}
+    for name in suites:
+        t0 = time.perf_counter()
+        print(f"== suite {name} ({deadline.left():.0f} s left)", flush=True)
+        record: dict = {}
+        guarded(record, "data", runners[name], args, env, deadline)
+        data = record["data"]
+        summary["suites"][name] = {"seconds": round(time.perf_counter() - t0, 1),
+                                   "error": data.get("error") if isinstance(data, dict) else None}
+        render(args.out)
+    report = render(args.out)
+    print(report.read_text()[-6000:])
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=_jsonable))
+    if args.json:
+        print(json.dumps(summary, default=_jsonable))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

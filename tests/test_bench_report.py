@@ -1,0 +1,107 @@
+"""The benchmark report is internally consistent.
+
+Runs `python -m specla bench --device cpu --suite e2e --quick` through `specla.bench.main`
+on a tiny random target with the oracle drafter (the hidden `--tiny` flag), then checks that
+every derived number in e2e.json is what the numbers it comes from say: a speedup is the
+ratio of the two medians, tau is tokens over target forwards, tokens/s mirror ms/token, and
+the stats agree with their values.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from specla import bench
+
+TOKENS, PROMPTS = 24, 2
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bench")
+    argv = ["--device", "cpu", "--suite", "e2e", "--quick", "--tiny", "--out", str(folder),
+            "--tokens", str(TOKENS), "--prompts", str(PROMPTS)]
+    assert bench.main(argv) == 0
+    return folder
+
+
+@pytest.fixture(scope="module")
+def rows(out):
+    data = json.loads((out / "e2e.json").read_text())
+    rows = [r for r in data["pair"]["rows"] if "tau" in r]
+    assert rows, f"no measured rows in e2e.json: {data['pair']}"
+    return rows
+
+
+def test_files_and_environment(out):
+    for name in ("e2e.json", "report.md", "summary.json"):
+        assert (out / name).exists(), name
+    env = json.loads((out / "e2e.json").read_text())["environment"]
+    assert env["device"] == "cpu" and env["torch"]
+    assert "commit" in env["git"] and "--suite e2e" in env["command"]
+    report = (out / "report.md").read_text()
+    assert "End to end" in report and "oracle/chain-4" in report
+
+
+def test_speedup_is_the_ratio_of_the_medians(rows):
+    for r in rows:
+        expected = r["ar_ms_per_token"]["median"] / r["ms_per_token"]["median"]
+        assert math.isclose(r["speedup"], expected, rel_tol=1e-9), r["name"]
+
+
+def test_tau_is_tokens_over_target_forwards(rows):
+    for r in rows:
+        assert r["tokens"] == TOKENS * PROMPTS, r["name"]           # cut at max_new_tokens
+        assert math.isclose(r["tau"], r["tokens"] / r["target_forwards"], rel_tol=1e-12)
+        assert 1.0 <= r["tau"] <= 1 + 8                                # bonus + at most 8 drafts
+
+
+def test_bound_uses_the_verify_time_per_step(rows):
+    for r in rows:
+        verify = r["time_split_ms_per_step"]["verify"]
+        expected = r["tau"] * r["ar_ms_per_token"]["median"] / verify
+        assert math.isclose(r["bound"], expected, rel_tol=1e-9), r["name"]
+
+
+def test_stats_agree_with_their_values(rows):
+    for r in rows:
+        for key in ("ms_per_token", "tokens_per_s", "ar_ms_per_token"):
+            s = r[key]
+            assert s["runs"] == len(s["values"]) == PROMPTS, (r["name"], key)
+            assert s["min"] <= s["median"] <= s["max"]
+            assert math.isclose(s["min"], min(s["values"]), rel_tol=1e-5)
+            assert math.isclose(s["max"], max(s["values"]), rel_tol=1e-5)
+        for ms, tps in zip(r["ms_per_token"]["values"], r["tokens_per_s"]["values"]):
+            assert math.isclose(tps, 1e3 / ms, rel_tol=1e-4)
+
+
+def test_time_split_is_per_step_and_bounded(rows):
+    for r in rows:
+        split = r["time_split_ms_per_step"]
+        spec_ms_per_step = r["ms_per_token"]["median"] * r["tau"]
+        assert all(v >= 0 for k, v in split.items() if k != "host_other"), split
+        # the phases of a step cannot add up to much more than the step (medians vs means)
+        assert sum(split.values()) < 5 * spec_ms_per_step + 1.0
+
+
+def test_speculation_is_exact_in_fp32(rows):
+    for r in rows:
+        assert r["exact"]["mismatching_prompts"] == 0, r["exact"]
+
+
+def test_render_rewrites_the_report(out):
+    (out / "report.md").unlink()
+    assert bench.main(["--render", "--out", str(out)]) == 0
+    assert "End to end" in (out / "report.md").read_text()
+
+
+def test_stat_and_timing_helpers():
+    s = bench.stat([3.0, 1.0, 2.0])
+    assert (s["runs"], s["median"], s["min"], s["max"]) == (3, 2.0, 1.0, 3.0)
+    t = bench.timing([10.0, 20.0], tokens=10, bytes_per_step=2_000_000, floor_ms=0.5)
+    assert t["ms_per_token"]["median"] == 1.5
+    assert math.isclose(t["achieved_GBps"], 2_000_000 / (1.5 * 1e6))
+    assert math.isclose(t["fraction_of_floor"], 0.5 / 1.5)
+    assert bench.ratio(None, 1.0) is None and bench.ratio(3.0, 1.5) == 2.0
