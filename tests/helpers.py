@@ -1,6 +1,8 @@
 """Shared test fixtures: tiny random-weight GDN targets whose logits are far from uniform."""
 from __future__ import annotations
 
+import socket
+
 import torch
 
 from specla.config import GDNConfig
@@ -31,3 +33,16 @@ def random_inputs(B: int, N: int, H: int, K: int, V: int, seed: int = 0):
     beta = torch.rand(B, N, H, generator=g)
     S0 = torch.randn(B, H, K, V, generator=g)
     return q, k, v, gate, beta, S0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_runtime():
+    """The embedded model when assets/ has it, else a tiny random-weight stand-in."""
+    from specla import runner
+    return (runner.load_runtime(device="cpu") if (runner.ASSETS / "target").exists()
+            else runner.tiny_random_runtime())

@@ -14,7 +14,6 @@ os.environ.setdefault("GRADIO_TEMP_DIR", str(Path(__file__).resolve().parent.par
 
 import re  # noqa: E402
 import shutil  # noqa: E402
-import socket  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
@@ -28,6 +27,7 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwr
 
 from specla import explorer, runner  # noqa: E402
 from specla.trace import load_trace  # noqa: E402
+from tests.helpers import default_runtime, free_port  # noqa: E402
 
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
@@ -36,24 +36,13 @@ TIMEOUT = 90_000
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Both AR and speculation on one CPU thread: steady timings on a small or busy CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(before)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def url():
-    rt = (runner.load_runtime(device="cpu") if (runner.ASSETS / "target").exists()
-          else runner.tiny_random_runtime())
+    rt = default_runtime()
 
     def run_fn(prompt, settings):
         """runner.run, slowed down for prompts marked '# slow' (so Stop can catch a run)."""

@@ -29,12 +29,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:gradio.helpers")
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Both AR and speculation on one CPU thread: steady timings on a small or busy CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(before)
 
 
 def make_runtime() -> runner.Runtime:

@@ -13,36 +13,25 @@ os.environ.setdefault("GRADIO_TEMP_DIR", str(Path(__file__).resolve().parent.par
 
 import html  # noqa: E402
 import re  # noqa: E402
-import socket  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from gradio_client import Client, handle_file  # noqa: E402
 
 from specla import explorer, runner  # noqa: E402
+from tests.helpers import default_runtime, free_port  # noqa: E402
 
 STATUS, TEXT, SUMMARY = 0, 1, 8     # API outputs: the views without the two gr.State values
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Both AR and speculation on one CPU thread: steady timings on a small or busy CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(before)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def app():
-    rt = (runner.load_runtime(device="cpu") if (runner.ASSETS / "target").exists()
-          else runner.tiny_random_runtime())
+    rt = default_runtime()
     demo = explorer.build_demo(rt, model_limit=1)
     demo.queue(default_concurrency_limit=4)
     _, url, _ = demo.launch(prevent_thread_lock=True, ssr_mode=False, server_name="127.0.0.1",
