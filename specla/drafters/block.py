@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from specla.drafters import tree_build
 from specla.drafters.base import Accepted, Draft, DraftContext, DraftSettings
+from specla.model import RMSNorm
 
 
 class TargetParts:
@@ -65,18 +66,6 @@ class TargetParts:
         return F.linear(self.norm(x).to(self.lm_weight.dtype), self.lm_weight)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * self.weight.float()).to(x.dtype)
-
-
 def rope(x: torch.Tensor, pos: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
     """Rotary embedding. x [..., T, H, Dh], pos [T] or [..., T] (integer positions)."""
     half = x.shape[-1] // 2
@@ -99,8 +88,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(width, width, bias=False)
         self.v_proj = nn.Linear(width, width, bias=False)
         self.o_proj = nn.Linear(width, width, bias=False)
-        self.q_norm = RMSNorm(self.head_dim)
-        self.k_norm = RMSNorm(self.head_dim)
+        self.q_norm = RMSNorm(self.head_dim, 1e-6)
+        self.k_norm = RMSNorm(self.head_dim, 1e-6)
 
     def keys(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated keys and values of rows x [..., T, width]: each [..., T, H, Dh]."""
@@ -134,9 +123,9 @@ class Layer(nn.Module):
 
     def __init__(self, width: int, heads: int, mlp_hidden: int):
         super().__init__()
-        self.attn_norm = RMSNorm(width)
+        self.attn_norm = RMSNorm(width, 1e-6)
         self.attn = Attention(width, heads)
-        self.mlp_norm = RMSNorm(width)
+        self.mlp_norm = RMSNorm(width, 1e-6)
         self.mlp = SwiGLU(width, mlp_hidden)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, mem: torch.Tensor | None,
@@ -178,11 +167,11 @@ class BlockNet(nn.Module):
         super().__init__()
         c = self.config = config
         self.fc = nn.Linear(len(c.feature_layers) * c.target_hidden, c.width, bias=False)
-        self.ctx_norm = RMSNorm(c.width)
+        self.ctx_norm = RMSNorm(c.width, 1e-6)
         self.in_proj = nn.Linear(c.target_hidden, c.width, bias=False)
         self.mask_emb = nn.Parameter(torch.randn(c.width) * 0.02)
         self.layers = nn.ModuleList(Layer(c.width, c.heads, c.mlp_hidden) for _ in range(c.layers))
-        self.norm = RMSNorm(c.width)
+        self.norm = RMSNorm(c.width, 1e-6)
         self.out_proj = nn.Linear(c.width, c.target_hidden, bias=False)
         self.head = head
 
