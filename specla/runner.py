@@ -458,13 +458,7 @@ def reveal(trace: dict, n_steps: int) -> dict:
         return sum(sum(st["times_ms"].values()) for st in ss)
     full = total(trace["steps"])
     seconds = trace["summary"].get("seconds", 0.0) * (total(steps) / full if full > 0 else 0.0)
-    tokens, sources, step_of = [], [], []
-    for st in steps:
-        n = len(st["accepted_tokens"])
-        for j, t in enumerate(st["new_tokens"]):
-            tokens.append(t)
-            sources.append("draft" if j < n else "bonus")
-            step_of.append(st["index"])
+    tokens, sources, step_of = tr.output_tokens(steps)
     text = trace.get("token_text", {})
     out = dict(trace, steps=steps)
     out["output"] = {"tokens": tokens, "sources": sources, "step_of": step_of,

@@ -133,9 +133,8 @@ def predicted_tau(alpha: float, depth: int) -> float:
     return (1 - alpha ** (depth + 1)) / (1 - alpha)
 
 
-def build_trace(*, model: dict, settings: dict, prompt: str, prompt_tokens: list[int],
-                steps: list[dict], decode: Callable[[list[int]], str], seconds: float,
-                baseline: dict | None) -> dict:
+def output_tokens(steps: list[dict]) -> tuple[list[int], list[str], list[int]]:
+    """The generated tokens, where each came from ("draft" or "bonus"), and its step."""
     tokens, sources, step_of = [], [], []
     for s in steps:
         n_draft = len(s["accepted_tokens"])
@@ -143,6 +142,13 @@ def build_trace(*, model: dict, settings: dict, prompt: str, prompt_tokens: list
             tokens.append(t)
             sources.append("draft" if j < n_draft else "bonus")
             step_of.append(s["index"])
+    return tokens, sources, step_of
+
+
+def build_trace(*, model: dict, settings: dict, prompt: str, prompt_tokens: list[int],
+                steps: list[dict], decode: Callable[[list[int]], str], seconds: float,
+                baseline: dict | None) -> dict:
+    tokens, sources, step_of = output_tokens(steps)
     ids = set(prompt_tokens) | set(tokens)
     for s in steps:
         ids.update(s["tree"]["tokens"])

@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from specla.checkpoint import shard
 from specla.config import GDNConfig
 from specla.drafters import new_net, save_drafter, target_fingerprint, wrap
 from specla.drafters.block import (TargetParts, default_feature_layers, default_gamma,
@@ -609,21 +610,13 @@ class Trainer:
                 for key, val in self.opt.state.get(p, {}).items():
                     if torch.is_tensor(val):
                         tensors[f"opt.{names[id(p)]}.{key}"] = val.detach().float().cpu().reshape(val.shape).contiguous()
-        shards, cur, size = [], {}, 0
-        for name, t in tensors.items():
-            nbytes = t.numel() * t.element_size()
-            if cur and size + nbytes > SHARD_BYTES:
-                shards.append(cur)
-                cur, size = {}, 0
-            cur[name] = t
-            size += nbytes
-        shards.append(cur)
+        shards = shard(tensors, SHARD_BYTES)
         for old in self.state.glob("train_state-*.safetensors"):
             old.unlink()
         files = []
-        for i, shard in enumerate(shards):
+        for i, part in enumerate(shards):
             name = f"train_state-{i:04d}.safetensors"
-            save_file(shard, str(self.state / name))
+            save_file(part, str(self.state / name))
             files.append(name)
         state = {"kind": self.kind, "steps": self.step_count, "seconds": self.seconds, "files": files,
                  "hparams": dataclasses.asdict(self.hp), "target": self.fingerprint,
