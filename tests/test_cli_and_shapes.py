@@ -1,0 +1,70 @@
+"""The public checkpoint shapes parse exactly, and the CLI gives clear errors, not tracebacks."""
+import json
+
+import pytest
+import torch
+
+from specla import cli
+from specla.config import FLA_DEFAULT, GDNConfig, ModelFormatError
+from specla.model import GDNForCausalLM
+
+MAP_1P3B_CONFIG = {  # the fields of m-a-p's 1.3B-100B GatedDeltaNet-pure config.json that matter
+    "model_type": "gated_deltanet", "hidden_size": 2048, "num_hidden_layers": 24, "num_heads": 8,
+    "head_dim": 256, "expand_v": 1, "intermediate_size": 5632, "vocab_size": 32000,
+    "tie_word_embeddings": False, "use_gate": True, "use_short_conv": True, "conv_size": 4,
+    "attn_mode": "chunk", "hidden_act": "swish", "norm_eps": 1e-06, "fuse_cross_entropy": True,
+}
+
+
+def parameter_count(config: GDNConfig) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in GDNForCausalLM(config).parameters())
+
+
+def test_public_1p3b_shape_has_the_published_parameter_count():
+    config = GDNConfig.from_dict(MAP_1P3B_CONFIG)
+    assert parameter_count(config) == 1_466_343_808
+    assert config.state_bytes() == 48 * 2**20          # the 48 MiB fp32 state of DESIGN.md
+
+
+def test_fla_default_shape():
+    assert round(parameter_count(FLA_DEFAULT) / 1e6) == 1387
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"model_type": "llama"}, "model_type"),
+    ({"num_v_heads": 16}, "grouped value heads"),
+    ({"use_short_conv": False}, "use_short_conv"),
+    ({"hidden_size": -1}, "hidden_size"),
+])
+def test_unsupported_configs_are_refused_clearly(change, message):
+    with pytest.raises(ModelFormatError, match=message):
+        GDNConfig.from_dict({**MAP_1P3B_CONFIG, **change})
+
+
+def run_cli(args, capsys):
+    code = cli.main(args)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_generate_json_last_line(capsys):
+    code, out, _ = run_cli(["generate", "--prompt", "def add(a, b):", "--max-new-tokens", "8",
+                            "--device", "cpu", "--json"], capsys)
+    assert code == 0
+    result = json.loads(out.strip().splitlines()[-1])
+    assert len(result["token_ids"]) == 8 and result["device"] == "cpu" and result["tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (["generate", "--prompt", ""], "prompt is empty"),
+    (["generate", "--prompt", "x " * 9000], "limit"),
+    (["generate", "--prompt", "x", "--max-new-tokens", "0"], "max-new-tokens"),
+    (["generate", "--prompt", "x", "--model", "/nonexistent/folder"], "no such checkpoint folder"),
+    (["acceptance", "--prompts", "/nonexistent.jsonl", "--drafter", "block"], "cannot read prompts"),
+    (["acceptance", "--prompts", "examples/prompts.jsonl", "--top-k", "0"], "top-k"),
+], ids=["empty-prompt", "long-prompt", "max-new-tokens", "missing-model", "missing-prompts", "top-k"])
+def test_bad_input_is_a_one_line_error(args, message, capsys):
+    code, _, err = run_cli(args + ["--device", "cpu"], capsys)
+    assert code == 2
+    assert err.startswith("error:") and message in err
