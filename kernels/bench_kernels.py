@@ -487,6 +487,19 @@ def main(argv=None) -> int:
                 ("commit", bench.commit_variants),
                 ("deferred", bench.deferred_variants),
                 ("sweep", bench.walk_sweep)]
+    def save() -> dict:
+        """Both files, rewritten after every section: a timeout loses only the running one."""
+        auto_rule = fit_auto_rule(bench.results, bench.tv.MAX_TREE_NODES)
+        report = {"meta": meta, "results": bench.results, "memory": memory_rows(),
+                  "kernels": bench.kernel_resources(), "errors": bench.errors}
+        (args.out / "kernels.json").write_text(json.dumps(report, indent=1))
+        cost = {"auto_rule": {k: auto_rule[k] for k in ("chain_max_nodes", "hybrid_min_depth_ratio")},
+                "notes": auto_rule["notes"], "meta": meta,
+                "timings": [{k: r[k] for k in ("name", "topology", "N", "depth", "us") if k in r}
+                            for r in bench.results if r["name"] in ("chain", "tree", "hybrid")]}
+        (args.out / "verify_cost.json").write_text(json.dumps(cost, indent=1))
+        return auto_rule
+
     for name, section in sections:
         if name in skip:
             continue
@@ -497,15 +510,7 @@ def main(argv=None) -> int:
             bench.errors.append({"section": name, "error": f"{type(exc).__name__}: {exc}",
                                  "traceback": traceback.format_exc(limit=6)})
             bench.log(f"section {name} FAILED: {exc}")
-    auto_rule = fit_auto_rule(bench.results, bench.tv.MAX_TREE_NODES)
-    report = {"meta": meta, "results": bench.results, "memory": memory_rows(),
-              "kernels": bench.kernel_resources(), "errors": bench.errors}
-    (args.out / "kernels.json").write_text(json.dumps(report, indent=1))
-    cost = {"auto_rule": {k: auto_rule[k] for k in ("chain_max_nodes", "hybrid_min_depth_ratio")},
-            "notes": auto_rule["notes"], "meta": meta,
-            "timings": [{k: r[k] for k in ("name", "topology", "N", "depth", "us") if k in r}
-                        for r in bench.results if r["name"] in ("chain", "tree", "hybrid")]}
-    (args.out / "verify_cost.json").write_text(json.dumps(cost, indent=1))
+        auto_rule = save()
     bench.log(f"wrote {args.out / 'kernels.json'} and {args.out / 'verify_cost.json'}; "
               f"{len(bench.results)} timings, {len(bench.errors)} errors")
     mem = memory_rows()[0]

@@ -123,7 +123,10 @@ def guarded(record: dict, key: str, fn, *args, **kwargs):
 
 
 def git_commit() -> dict:
-    """Commit and dirtiness from git, or from .git itself when the git binary is missing."""
+    """Commit and dirtiness from git, or from .git itself when the git binary is missing, or
+    from SPECLA_COMMIT where the tree was copied without .git (the GPU machine)."""
+    if os.environ.get("SPECLA_COMMIT"):
+        return {"commit": os.environ["SPECLA_COMMIT"], "dirty": None, "source": "SPECLA_COMMIT"}
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                               text=True, timeout=10)
@@ -227,28 +230,45 @@ def suite_runtime(args, env, deadline: Deadline) -> dict:
     res["copy_bandwidth_GBps"] = stat(cg.copy_bandwidth(args.device))
     print(f"copy bandwidth {res['copy_bandwidth_GBps']['median']:.0f} GB/s", flush=True)
     res["models"] = {}
-    for name, config in (("gdn-1.3b-public", PUBLIC_1P3B), ("small", small_config())):
+    random_model = lambda config: lambda: (  # noqa: E731
+        cg.random_target(config, args.device, torch.bfloat16, seed=args.seed),
+        random_prompt(config.vocab_size, args.prompt_len, args.seed))
+    models = (("gdn-1.3b-public", random_model(PUBLIC_1P3B)), ("embedded", lambda: embedded_model(args)),
+              ("small", random_model(small_config())))
+    for name, make in models:
         if not deadline.ok(60):
             res["models"][name] = {"skipped": "deadline"}
             continue
         entry = res["models"][name] = {}
-        guarded(entry, "status", runtime_for_model, name, config, args, res, deadline)
+        guarded(entry, "status", runtime_for_model, name, make, args, res, deadline)
         res.save()
         free_cuda()
     return res.data
 
 
-def runtime_for_model(name, config, args, res: Results, deadline: Deadline) -> dict:
+def embedded_model(args) -> tuple:
+    """The embedded target in bf16 and a prompt of real text: the example prompts, joined and
+    cut to --prompt-len tokens."""
+    from specla.acceptance import read_prompts
+    from specla.checkpoint import load_model
+
+    target, tokenizer, _ = load_model(ROOT / "assets" / "target", device=args.device, dtype=torch.bfloat16)
+    prompt_file = next(p for p in PROMPT_FILES if p.exists())
+    text = "\n".join(read_prompts(prompt_file, None))
+    return target, tokenizer.encode(text, add_special_tokens=False)[:args.prompt_len]
+
+
+def runtime_for_model(name, make_target, args, res: Results, deadline: Deadline) -> dict:
     from specla import cuda_graphs as cg
 
-    dev, dtype = args.device, torch.bfloat16
+    dev = args.device
     n = args.tokens or (64 if args.quick else 256)
     repeats = args.repeats or (3 if args.quick else 5)
     n_eager, repeats_eager = (8, 2) if args.quick else (16, 3)
     compare_last = 32
-    print(f"[runtime] {name}: building random bf16 target", flush=True)
-    target = cg.random_target(config, dev, dtype, seed=args.seed)
-    prompt = random_prompt(config.vocab_size, args.prompt_len, args.seed)
+    print(f"[runtime] {name}: building the bf16 target", flush=True)
+    target, prompt = make_target()
+    config = target.config
     root = prompt[-1]
     nbytes = cg.decode_bytes(target)
     bw = res["copy_bandwidth_GBps"]["median"]
@@ -644,7 +664,69 @@ def e2e_pair_gpu(args, res: Results, deadline: Deadline) -> dict:
                 row.update(row.pop("result"))
             out["rows"].append(row)
             res.save()
+        if kind == "lilicorr":
+            guarded(out, "lilicorr_head", lilicorr_head_overhead, drafter, out["rows"])
+            res.save()
     return "ok"
+
+
+def lilicorr_head_overhead(drafter, rows: list[dict]) -> dict:
+    """The head's GPU time as a share of a measured LiLiCorr chain step (graph-replayed head
+    against the median step time of that row: tokens per step x ms per token)."""
+    from specla.drafters.base import DraftSettings
+
+    row = next((r for r in rows if r.get("drafter") == "lilicorr" and "tau" in r
+                and r.get("settings") == "chain"), None)
+    if row is None:
+        return {"skipped": "no measured lilicorr/chain row"}
+    settings = DraftSettings(**row["draft_settings"])
+    cost = lilicorr_head_cost(drafter, settings)
+    step_ms = row["tau"] * row["ms_per_token"]["median"]
+    cost.update(step_ms=step_ms,
+                head_share_of_step_graph=cost["head_graph_ms"]["median"] / step_ms,
+                head_share_of_step_eager=cost["head_eager_ms"]["median"] / step_ms)
+    return cost
+
+
+def lilicorr_head_cost(drafter, settings, repeats: int = 50) -> dict:
+    """GPU ms of the LiLiCorr head's own work in one draft step (top-k of the slot logits,
+    the lattice transformer, all pair scores) next to the block pass it rides on, both
+    eager and as CUDA-graph replays, timed with events over `repeats` calls after warm-up."""
+    from specla import cuda_graphs as cg
+    from specla.drafters.lilicorr import lattice
+
+    dev = drafter.ctx.device
+    S, k = settings.block_size - 1, settings.top_k
+    if len(drafter.ctx) == 0:
+        raise ValueError("the drafter has no context yet: run it on a prompt first")
+    root = torch.tensor([1], device=dev)
+    with torch.no_grad():
+        h, logits = drafter.net(drafter.parts, root, drafter.ctx[None])
+    h, logits = h[:, :S].contiguous(), logits[:, :S].contiguous()
+    anchor = drafter.ctx[-1:]
+    calls = {"block_pass": lambda: drafter.net(drafter.parts, root, drafter.ctx[None]),
+             "head": lambda: lattice(drafter.parts, drafter.net.head, logits, h, anchor, k)}
+    out = {"slots": S, "top_k": k, "repeats": repeats}
+    with torch.no_grad():
+        for name, fn in calls.items():
+            for _ in range(5):
+                fn()
+            samples = []
+            for _ in range(repeats):
+                with cg.Stopwatch(dev) as sw:
+                    fn()
+                samples.append(sw.ms)
+            out[f"{name}_eager_ms"] = stat(samples)
+            if dev.type != "cuda":
+                continue
+            graph = cg.capture(fn)
+            samples = []
+            for _ in range(repeats):
+                with cg.Stopwatch(dev) as sw:
+                    graph.replay()
+                samples.append(sw.ms)
+            out[f"{name}_graph_ms"] = stat(samples)
+    return out
 
 
 def e2e_cpu(args, res: Results, deadline: Deadline) -> dict:

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The H200 runs behind benchmarks/results/, in stages that each fit a 10-minute device command:
+#   SPECLA_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200.sh tests runtime kernels e2e
+# Stages: tests (pytest -m gpu), runtime, kernels, e2e, e2e-quick, acceptance. Needs the
+# pure-Python wheels in .whl/ (see benchmarks/README.md). Results land in $OUT/results
+# (default /tmp/specla-out/results); a stage's time limit is its T_<STAGE> variable.
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 GRADIO_ANALYTICS_ENABLED=False
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+OUT=${OUT:-/tmp/specla-out}
+R=$OUT/results
+mkdir -p "$R"
+# Triton's compile cache can travel between calls as .tcache/tcache.tgz (git-ignored)
+export TRITON_CACHE_DIR=/tmp/triton-cache
+mkdir -p "$TRITON_CACHE_DIR"
+[ -f .tcache/tcache.tgz ] && tar -xzf .tcache/tcache.tgz -C "$TRITON_CACHE_DIR"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$R/device.txt"
+
+bench() {  # bench SUITE LIMIT [extra args]
+  local suite=$1 limit=$2; shift 2
+  timeout "$limit" python3 -m specla bench --device cuda --suite "$suite" --out "$R" \
+    --deadline $((limit - 40)) "$@" 2>&1 | tee "$R/log_$suite.txt"
+}
+
+for stage in "$@"; do
+  start=$SECONDS
+  echo "=== stage $stage"
+  case $stage in
+    tests) timeout "${T_TESTS:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+             tests/test_gpu_runtime.py 2>&1 | tail -40 | tee "$R/gpu_tests.txt" ;;
+    runtime) bench runtime "${T_RUNTIME:-260}" ;;
+    kernels) bench kernels "${T_KERNELS:-240}" ;;
+    e2e) bench e2e "${T_E2E:-520}" ;;
+    e2e-quick) bench e2e "${T_E2E:-200}" --quick ;;
+    acceptance) bench acceptance "${T_ACCEPTANCE:-200}" ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+  echo "=== stage $stage: $((SECONDS - start)) s"
+  # the reply carries at most 8 files: one archive of the results, rewritten after each stage
+  tar -czf "$OUT/results.tgz" -C "$OUT" results
+done
+tar -czf "$OUT/tcache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
+ls -la "$OUT"
