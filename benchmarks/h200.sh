@@ -28,8 +28,8 @@ for stage in "$@"; do
   start=$SECONDS
   echo "=== stage $stage"
   case $stage in
-    tests) timeout "${T_TESTS:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider \
-             tests/test_gpu_runtime.py 2>&1 | tail -40 | tee "$R/gpu_tests.txt" ;;
+    tests) timeout "${T_TESTS:-200}" python3 -m pytest -v -m gpu -p no:cacheprovider --durations=20 \
+             ${TESTS:-tests/test_gpu_runtime.py} > "$R/gpu_tests.txt" 2>&1; tail -30 "$R/gpu_tests.txt" ;;
     runtime) bench runtime "${T_RUNTIME:-260}" ;;
     kernels) bench kernels "${T_KERNELS:-240}" ;;
     e2e) bench e2e "${T_E2E:-520}" ;;

@@ -682,9 +682,10 @@ def lilicorr_head_overhead(drafter, rows: list[dict]) -> dict:
     settings = DraftSettings(**row["draft_settings"])
     cost = lilicorr_head_cost(drafter, settings)
     step_ms = row["tau"] * row["ms_per_token"]["median"]
-    cost.update(step_ms=step_ms,
-                head_share_of_step_graph=cost["head_graph_ms"]["median"] / step_ms,
-                head_share_of_step_eager=cost["head_eager_ms"]["median"] / step_ms)
+    cost["step_ms"] = step_ms
+    for how in ("graph", "eager"):
+        if f"head_{how}_ms" in cost:
+            cost[f"head_share_of_step_{how}"] = cost[f"head_{how}_ms"]["median"] / step_ms
     return cost
 
 
