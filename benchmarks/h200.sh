@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 runs behind benchmarks/results/, in stages that each fit a 10-minute device command:
 #   SPECLA_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200.sh tests runtime kernels e2e
-# Stages: tests (pytest -m gpu), runtime, kernels, e2e, e2e-quick, acceptance. Needs the
+# Stages: tests (pytest -m gpu), kernel-tests (tests/test_kernels.py on the GPU), runtime, kernels, e2e, e2e-quick, acceptance. Needs the
 # pure-Python wheels in .whl/ (see benchmarks/README.md). Results land in $OUT/results
 # (default /tmp/specla-out/results); a stage's time limit is its T_<STAGE> variable.
 set -u
@@ -30,6 +30,9 @@ for stage in "$@"; do
   case $stage in
     tests) timeout "${T_TESTS:-200}" python3 -m pytest -v -m gpu -p no:cacheprovider --durations=20 \
              ${TESTS:-tests/test_gpu_runtime.py} > "$R/gpu_tests.txt" 2>&1; tail -30 "$R/gpu_tests.txt" ;;
+    kernel-tests) timeout "${T_KERNEL_TESTS:-400}" python3 -m pytest -q -p no:cacheprovider \
+             tests/test_kernels.py -k "${KERNEL_TESTS:-not interpreter}" > "$R/gpu_kernel_tests.txt" 2>&1
+           tail -5 "$R/gpu_kernel_tests.txt" ;;
     runtime) bench runtime "${T_RUNTIME:-260}" ;;
     kernels) bench kernels "${T_KERNELS:-240}" ;;
     e2e) bench e2e "${T_E2E:-520}" ;;

@@ -170,6 +170,46 @@ def commit_ref(S0: torch.Tensor, k: torch.Tensor, delta: torch.Tensor,
     return S
 
 
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """fla's kernels: x / sqrt(sum(x^2) + 1e-6) over the last dimension."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def tree_conv_ref(x: torch.Tensor, window: torch.Tensor, index: torch.Tensor,
+                  weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal short conv of every draft node along its own ancestor path, then SiLU.
+
+    x [1, N, C] the nodes' conv inputs; window [1, C, W-1] the committed inputs (oldest
+    first); index [N, W] positions in concat(window, x) (a node's ancestors, then itself);
+    weight [C, W]. fp32 accumulation and one rounding to x.dtype, as fla's conv update
+    kernel does for one AR token.
+    """
+    history = torch.cat([window.transpose(1, 2).to(x.dtype), x], dim=1)
+    out = (history[:, index].float() * weight.t().float()).sum(2)
+    if bias is not None:
+        out = out + bias.float()
+    return torch.nn.functional.silu(out).to(x.dtype)
+
+
+def conv_gates_ref(x: torch.Tensor, window: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, neg_A: torch.Tensor,
+                   dt_bias: torch.Tensor, head_dim: int, head_v_dim: int, neg_eigval: bool = False):
+    """Everything between a layer's input projection and its recurrence, for N draft nodes.
+
+    x [1, N, C] holds q | k | v conv inputs (C = 2 H K + H V); a, b [1, N, H] the raw gate
+    and beta projections. Returns the recurrence inputs q, k [1,N,H,K] (l2-normalised, q
+    scaled by K^-1/2), v [1,N,H,V], g (log decay), beta [1,N,H], all fp32.
+    """
+    H = a.shape[-1]
+    y = tree_conv_ref(x, window, index, weight, bias)
+    q, k, v = y.float().split([H * head_dim, H * head_dim, H * head_v_dim], dim=-1)
+    q = l2norm(q.unflatten(-1, (H, head_dim))) * head_dim ** -0.5
+    k = l2norm(k.unflatten(-1, (H, head_dim)))
+    g = neg_A * torch.nn.functional.softplus(a.float() + dt_bias)
+    beta = b.float().sigmoid() * (2 if neg_eigval else 1)
+    return q, k, v.unflatten(-1, (H, head_v_dim)), g, beta
+
+
 VERIFY_REFERENCES = {
     "tree": tree_verify_ref,
     "hybrid": hybrid_verify_ref,

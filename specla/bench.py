@@ -616,7 +616,8 @@ def e2e_pair_gpu(args, res: Results, deadline: Deadline) -> dict:
         return prefilled[key]
 
     noise = None
-    for kind, drafter in drafters.items():
+    # EAGLE last: its eager tree drafting is the slowest, the deadline should cut it first
+    for kind, drafter in sorted(drafters.items(), key=lambda item: item[0] == "eagle"):
         for label, settings in drafter_settings(kind, drafter):
             if not deadline.ok(30):
                 out["rows"].append({"drafter": kind, "settings": label, "skipped": "deadline"})

@@ -1,9 +1,10 @@
 """Pick a verification mode from the draft's shape.
 
-The thresholds come from `benchmarks/results/verify_cost.json` (measured on the H200 by
-`python -m specla bench --suite kernels`); until a fit exists the defaults below are used:
-chains go to the state-resident chain kernel, deep narrow trees to the hybrid, wide trees to
-the tree-masked parallel form.
+On CUDA the thresholds come from `benchmarks/results/verify_cost.json` (measured on the H200
+by `python -m specla bench --suite kernels`). On the CPU, and until a fit exists, the
+defaults below are used: chains go to the state-resident chain walk, deep narrow trees to
+the hybrid, wide trees to the tree-masked parallel form (on the CPU a few batched matmuls
+beat a token-by-token walk, whatever the GPU kernels' timings say).
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ def _fit() -> dict:
         return {}
 
 
-def choose_mode(num_nodes: int, depth: int, is_chain: bool) -> str:
-    fit = _fit()
+def choose_mode(num_nodes: int, depth: int, is_chain: bool, device_type: str = "cuda") -> str:
+    fit = _fit() if device_type == "cuda" else {}
     if is_chain:
         return "chain" if num_nodes <= fit.get("chain_max_nodes", 64) else "tree"
     # depth/size close to 1 means most nodes lie on one long chain: the hybrid walks it

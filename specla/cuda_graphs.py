@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from kernels import reference
 from specla.config import GDNConfig
 from specla.model import Factors, GDNForCausalLM, InferenceState, Topology, l2norm
 from specla.tree import DraftTree
@@ -155,6 +156,24 @@ class TorchOps:
             out = out + bias
         return F.silu(out)
 
+    def conv_gates(self, x, a, b, window, index, layer: "PackedLayer", config: GDNConfig, out=None):
+        """Conv of x [1,N,C] along each node's path, then the recurrence inputs (q, k, v, g,
+        beta) with the gate and beta projections a, b [1,N,H]. `out`
+        (k [1,N,H,K], g [1,N,H], x [1,N,C] buffers, or None) receives the commit factors;
+        the k and g returned are those buffers then."""
+        C = config.conv_channels
+        H, K = config.num_heads, config.head_dim
+        qkv = self.conv(x, window, index, layer.conv_w, layer.conv_b)
+        q, k, v = qkv[..., :H * K], qkv[..., H * K:2 * H * K], qkv[..., 2 * H * K:C]
+        N = x.shape[1]
+        q, k, v, g, beta = gdn_gates(q.view(1, N, H, K), k.view(1, N, H, K),
+                                     v.view(1, N, H, config.head_v_dim), a, b, layer, config)
+        if out is not None:
+            k_out, g_out, x_out = out
+            k_out.copy_(k), g_out.copy_(g), x_out.copy_(x)
+            k, g = k_out, g_out
+        return q, k, v, g, beta
+
     def conv_step(self, x, cache, weight, bias, index1):
         """One token: x [1,1,C]; cache [1,C,W] holds the last W inputs (newest last), updated
         in place."""
@@ -194,6 +213,8 @@ class FlaOps(TorchOps):
         # h0 = ht = S updates the state in place (each program owns one [K, BV] tile). The
         # self-check turns this off if the launch does not match the wrapper.
         self.inplace_recurrent = True
+        # the verify forward's conv + gates in one kernel; off if its self-check fails
+        self.fused_conv_gates = True
 
     def rms_norm(self, x, weight, eps, residual=None):
         if residual is None:
@@ -211,11 +232,19 @@ class FlaOps(TorchOps):
 
     def conv(self, x, window, index, weight, bias):
         # fp32 accumulation and one rounding, as fla's conv update kernel does for AR steps
-        history = torch.cat([window.transpose(1, 2).to(x.dtype), x], dim=1)
-        out = (history[:, index].float() * weight.t().float()).sum(2)
-        if bias is not None:
-            out = out + bias.float()
-        return F.silu(out).to(x.dtype)
+        return reference.tree_conv_ref(x, window, index, weight, bias)
+
+    def conv_gates(self, x, a, b, window, index, layer: "PackedLayer", config: GDNConfig, out=None):
+        """`TorchOps.conv_gates` in one Triton launch (`kernels/triton_conv_gates.py`), which
+        writes the factors into `out` itself."""
+        if not self.fused_conv_gates:
+            return super().conv_gates(x, a, b, window, index, layer, config, out)
+        from kernels.triton_conv_gates import conv_gates
+
+        k_out, g_out, x_out = out if out is not None else (None, None, None)
+        return conv_gates(x, window, index, layer.conv_w, layer.conv_b, a, b, layer.neg_A,
+                          layer.dt_bias, config.head_dim, config.head_v_dim, config.allow_neg_eigval,
+                          k_out=k_out, g_out=g_out, x_out=x_out)
 
     def conv_step(self, x, cache, weight, bias, index1):
         y, _ = self._conv_update(x=x, cache=cache, weight=weight, bias=bias, activation="silu")
@@ -297,6 +326,33 @@ def check_ops(ops: TorchOps, config: GDNConfig, device, dtype, seed: int = 0) ->
     close("recurrent_step", ops.recurrent_step(q, k, v, a, b, S1, layer, config),
           ref.recurrent_step(q, k, v, a, b, S2, layer, config), tol)
     close("recurrent_step state", S1, S2, 1e-4 if dtype == torch.float32 else 2e-3)
+    # the verify forward's conv + gates: 5 nodes of a small tree, projections strided as
+    # slices of one matrix product's output
+    N, G = 5, 2 * H + 3
+    proj = rnd(1, N, C + G)
+    xs, a5, b5 = proj[..., :C], proj[..., C:C + H], proj[..., C + H:C + 2 * H]
+    window = rnd(1, C, W)[..., 1:]
+    parents = [-1, 0, 1, 0, 3]
+    index = torch.zeros(N, W, dtype=torch.long)
+    for n in range(N):       # a node's window: the committed tail, then its ancestors, then itself
+        path, p = [], n
+        while p >= 0:
+            path.append(W - 1 + p)
+            p = parents[p]
+        index[n] = torch.tensor((list(range(W - 1)) + path[::-1])[-W:])
+    index = index.to(device)
+    buffers = [(torch.zeros(1, N, H, K, device=device), torch.zeros(1, N, H, device=device),
+                torch.zeros(1, N, C, device=device, dtype=dtype)) for _ in range(2)]
+    try:
+        got = ops.conv_gates(xs, a5, b5, window, index, layer, config, buffers[0])
+    except Exception as err:  # noqa: BLE001 - a kernel that does not compile fails its check
+        failures.append(f"conv_gates: {type(err).__name__}: {err}")
+        return failures
+    want = ref.conv_gates(xs, a5, b5, window, index, layer, config, buffers[1])
+    for name, x1, x2 in zip(("q", "k", "v", "g", "beta"), got, want):
+        close(f"conv_gates {name}", x1, x2, tol)
+    for name, x1, x2 in zip(("k", "g", "x"), *buffers):
+        close(f"conv_gates factor {name}", x1, x2, tol)
     return failures
 
 
@@ -312,9 +368,13 @@ def make_ops(name: str, config: GDNConfig, device, dtype) -> tuple[TorchOps, str
         if any(f.startswith("recurrent") for f in probe):
             ops.inplace_recurrent = False
             probe = check_ops(ops, config, device, dtype)
+        if any(f.startswith("conv_gates") for f in probe):
+            ops.fused_conv_gates = False
+            probe = check_ops(ops, config, device, dtype)
         if probe:
             raise RuntimeError("; ".join(probe))
-        note = "fla fused kernels" + ("" if ops.inplace_recurrent else " (recurrent state copied back)")
+        note = ("fla fused kernels" + ("" if ops.inplace_recurrent else " (recurrent state copied back)")
+                + ("" if ops.fused_conv_gates else " (conv + gates unfused: its kernel failed its check)"))
         return ops, note
     except Exception as err:  # noqa: BLE001 - any failure means: use the plain-torch ops
         if name == "fla":
@@ -453,12 +513,12 @@ class Runtime:
         for l, layer in enumerate(self.layers):
             h, residual = ops.rms_norm(x, layer.attn_norm, c.norm_eps, residual)
             conv_in, gate, a, b = self.split_in(F.linear(h, layer.w_in))
-            qkv = ops.conv(conv_in, state.conv[l][..., 1:], conv_index, layer.conv_w, layer.conv_b)
-            q, k, v, g, beta = gdn_gates(*self.split_qkv(qkv), a, b, layer, c)
+            out = None if factors is None else (factors.k[l], factors.g[l], factors.conv_in[l])
+            q, k, v, g, beta = ops.conv_gates(conv_in, a, b, state.conv[l][..., 1:], conv_index,
+                                              layer, c, out)
             o, delta = verify_fn(l, q, k, v, g, beta, state.recurrent[l])
             if factors is not None:
-                factors.k[l].copy_(k), factors.delta[l].copy_(delta)
-                factors.g[l].copy_(g), factors.conv_in[l].copy_(conv_in)
+                factors.delta[l].copy_(delta)
             x = self.attn_out(o, gate, layer)
             h, residual = ops.rms_norm(x, layer.mlp_norm, c.norm_eps, residual)
             x = self.mlp(h, layer)
@@ -901,7 +961,7 @@ class GraphedSpec:
         self.rt, self.state, self.oracle = rt, state, oracle
         self.deferred, self.feature_layers, self.recurrence = deferred, tuple(feature_layers), recurrence
         self.topo = SpecTopology(tree, rt.config.conv_size, state.max_path, rt.device)
-        self.mode = resolve_mode(mode, self.topo.model_topo)
+        self.mode = resolve_mode(mode, self.topo.model_topo, rt.device.type)
         # A graph that serves every tree of its size must not bake in a host-built schedule:
         # only the tree kernels read the topology from the device.
         self.dynamic = dynamic and not tree.is_chain

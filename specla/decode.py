@@ -161,7 +161,7 @@ def speculative_steps(target: GDNForCausalLM, drafter: Drafter, prompt: list[int
             raise RuntimeError("drafter returned a tree whose root is not the current token")
         topo = target.topology(tree)
         from specla.verify import resolve_mode
-        mode = resolve_mode(settings.mode, topo)
+        mode = resolve_mode(settings.mode, topo, torch.device(device).type)
         pending_before = 0 if state.pending is None else state.pending.num_tokens
         with timer("verify"):
             tokens = torch.tensor([tree.tokens], device=device)

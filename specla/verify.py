@@ -27,8 +27,8 @@ def reference_only():
         _kernels_enabled = before
 
 
-def resolve_mode(mode: str, topo) -> str:
-    """The concrete verification mode for this draft."""
+def resolve_mode(mode: str, topo, device_type: str = "cuda") -> str:
+    """The concrete verification mode for this draft (auto: fitted on the GPU, for `device_type`)."""
     if mode not in MODES:
         raise ValueError(f"unknown verification mode {mode!r}; choose one of {', '.join(MODES)}")
     tree = topo.tree
@@ -37,7 +37,7 @@ def resolve_mode(mode: str, topo) -> str:
     if mode != "auto":
         return mode
     from specla.costmodel import choose_mode
-    return choose_mode(len(tree), tree.depth, tree.is_chain)
+    return choose_mode(len(tree), tree.depth, tree.is_chain, device_type)
 
 
 def verify_layer(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -49,7 +49,7 @@ def verify_layer(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     The state S0 [B,H,K,V] is written only when `pending` (k, delta, g of accepted tokens
     from the previous step, [B,P,...]) is given: those are folded into S0 in place first.
     """
-    mode = resolve_mode(mode, topo)
+    mode = resolve_mode(mode, topo, q.device.type)
     # The Triton kernels are inference-only; with autograd on (training our plain-torch model
     # on a GPU) the differentiable references run instead.
     if q.is_cuda and _kernels_enabled and not torch.is_grad_enabled():

@@ -1,4 +1,5 @@
-"""The Triton verify and commit kernels (kernels/triton_verify.py) against the plain-torch
+"""The Triton kernels (kernels/triton_verify.py: verify, commit; kernels/triton_conv_gates.py:
+the verify forward's conv + gates) against the plain-torch
 references (kernels/reference.py).
 
 On CUDA: every mode at the GDN-1.3B head shape (H=8, K=V=256) and smaller ones, over
@@ -128,6 +129,52 @@ def check_commit(B: int, T: int, H: int, K: int, V: int, device, seed: int = 0) 
     return [] if err < RTOL else [f"state: relative error {err:.2e} >= {RTOL:.0e}"]
 
 
+def ancestor_windows(parents: list[int], W: int) -> torch.Tensor:
+    """index [N, W] into concat(window of W-1, nodes): the committed tail, then the node's
+    ancestors and itself (what specla's Topology builds for the tree-aware conv)."""
+    rows = []
+    for n in range(len(parents)):
+        path, p = [], n
+        while p >= 0:
+            path.append(W - 1 + p)
+            p = parents[p]
+        rows.append((list(range(W - 1)) + path[::-1])[-W:])
+    return torch.tensor(rows)
+
+
+def check_conv_gates(parents: list[int], H: int, K: int, V: int, W: int, dtype, bias: bool,
+                     device, seed: int = 0) -> list[str]:
+    """The fused conv + gates kernel against `conv_gates_ref`, with x, a, b as strided column
+    slices of one projection (as the runtime passes them) and NaN-poisoned factor buffers."""
+    from kernels.triton_conv_gates import conv_gates
+    gen = torch.Generator().manual_seed(seed)
+    N, C = len(parents), H * (2 * K + V)
+    proj = torch.randn(1, N, C + 2 * H + 3, generator=gen).to(device=device, dtype=dtype)
+    x, a, b = proj[..., :C], proj[..., C:C + H], proj[..., C + H:C + 2 * H]
+    window = torch.randn(1, C, W, generator=gen).to(device=device, dtype=dtype)[..., 1:]
+    weight = (torch.randn(C, W, generator=gen) * 0.5).to(device=device, dtype=dtype)
+    conv_b = (torch.randn(C, generator=gen) * 0.1).to(device=device, dtype=dtype) if bias else None
+    neg_A = -(torch.rand(H, generator=gen) * 2).exp().to(device)
+    dt_bias = (torch.randn(H, generator=gen) * 0.5).to(device)
+    index = ancestor_windows(parents, W).to(device)
+    args = (x, window, index, weight, conv_b, a, b, neg_A, dt_bias, K, V)
+    nan = dict(device=device, dtype=torch.float32)
+    k_out, g_out = torch.full((1, N, H, K), float("nan"), **nan), torch.full((1, N, H), float("nan"), **nan)
+    x_out = torch.full((1, N, C), float("nan"), device=device).to(dtype)
+    got = conv_gates(*args, k_out=k_out, g_out=g_out, x_out=x_out)
+    want = reference.conv_gates_ref(*(t.cpu() if torch.is_tensor(t) else t for t in args))
+    # fp32: rounding only; bf16: the conv output is rounded to bf16 once, and a sum in
+    # another order may round a value to its neighbour (one bf16 ulp is 2^-8 relative)
+    tol = RTOL if dtype == torch.float32 else 1e-2
+    problems = [f"{name}: relative error {rel_err(o, r):.2e}" for name, o, r in
+                zip(("q", "k", "v", "g", "beta"), got, want) if not rel_err(o, r) < tol]
+    if got[1] is not k_out or got[3] is not g_out:
+        problems.append("k and g were not written into the factor buffers")
+    if not torch.equal(x_out, x):
+        problems.append("the conv-input factor is not a copy of x")
+    return problems
+
+
 # ---------------------------------------------------------------------------------------
 # CUDA
 # ---------------------------------------------------------------------------------------
@@ -186,6 +233,17 @@ def test_block_v_override(mode, block_v):
 @pytest.mark.parametrize("T", [0, 1, 2, 4, 8, 16], ids=lambda t: f"T{t}")
 def test_commit_matches_reference(T, B, H, K, V):
     assert not check_commit(B, T, H, K, V, "cuda", seed=T)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("H,K,V,W,bias", [(8, 256, 256, 4, False), (6, 256, 512, 4, False),
+                                           (4, 128, 256, 4, True), (2, 16, 32, 3, False)],
+                         ids=lambda x: str(x))
+@pytest.mark.parametrize("topo_name,n", [("chain", 1), ("chain", 17), ("random", 33), ("wide", 64)])
+def test_conv_gates_matches_reference(topo_name, n, H, K, V, W, bias, dtype):
+    parents = TOPOLOGIES[topo_name](n)
+    assert not check_conv_gates(parents, H, K, V, W, dtype, bias, "cuda", seed=n + H)
 
 
 @needs_cuda
@@ -290,6 +348,14 @@ def test_bad_inputs_raise():
 def interpreter_cases(group: str):
     """(description, callable returning problems) for one group, at tiny shapes."""
     dev = "cpu"
+    if group == "conv_gates":
+        for name, parents in (("chain", chain(1)), ("chain", chain(6)), ("random", random_tree(9, seed=2))):
+            for dtype in (torch.float32, torch.bfloat16):
+                for H, K, V, W, bias in ((2, 16, 32, 4, False), (3, 16, 16, 3, True)):
+                    yield (f"conv_gates-{name}{len(parents)}-H{H}-K{K}-V{V}-W{W}-{dtype}",
+                           lambda p=parents, H=H, K=K, V=V, W=W, dt=dtype, bias=bias: check_conv_gates(
+                               p, H, K, V, W, dt, bias, dev, seed=len(p) + H))
+        return
     if group == "commit":
         for T in (0, 1, 5):
             yield f"commit-T{T}-H2-K16-V32", lambda T=T: check_commit(2, T, 2, 16, 32, dev, seed=T)
@@ -334,7 +400,7 @@ def run_interpreter_group(group: str) -> int:
     return failures
 
 
-@pytest.mark.parametrize("group", ["chain", "tree", "hybrid", "commit"])
+@pytest.mark.parametrize("group", ["chain", "tree", "hybrid", "commit", "conv_gates"])
 def test_interpreter(group):
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
@@ -349,4 +415,4 @@ if __name__ == "__main__":
         if os.environ.get("TRITON_INTERPRET") != "1":
             sys.exit("set TRITON_INTERPRET=1 (before triton is imported) to run on the CPU")
         sys.exit(1 if run_interpreter_group(sys.argv[2]) else 0)
-    sys.exit(f"usage: TRITON_INTERPRET=1 python {sys.argv[0]} --interpreter chain|tree|hybrid|commit")
+    sys.exit(f"usage: TRITON_INTERPRET=1 python {sys.argv[0]} --interpreter chain|tree|hybrid|commit|conv_gates")

@@ -1,0 +1,126 @@
+"""One Triton kernel for everything between a layer's input projection and its recurrence,
+over all nodes of a draft: `conv_gates_ref` in `kernels/reference.py`.
+
+Why: in a verification forward these steps are ~20 tiny torch ops per layer (the gather of
+each node's ancestor window, the conv, SiLU, two l2 norms, softplus, sigmoid, dtype casts,
+copies of the factors). Each is a few microseconds even inside a CUDA graph, and at the
+GDN-1.3B shape (24 layers) they cost more than the recurrence itself. One program per
+(node, head) does them all and writes the per-token factors (k, g and the raw conv inputs)
+straight into the commit buffers, so the copies disappear too.
+
+Arithmetic as the AR step's: the conv accumulates in fp32 and rounds once to the input
+dtype (fla's conv update kernel), q and k are l2-normalised in fp32 as
+x / sqrt(sum(x^2) + 1e-6), g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _node_conv(x, x_row_stride, window, window_stride, weight, bias, rows, in_window, o_w, w_mask,
+               channels, c_mask, W: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """SiLU(conv) of one node for `channels` [BC] -> fp32 [BC], rounded once to x's dtype."""
+    # rows [BW]: positions in concat(window, nodes); the first W-1 are the committed window
+    from_window = tl.load(window + channels[None, :] * window_stride + rows[:, None],
+                          mask=w_mask[:, None] & in_window[:, None] & c_mask[None, :], other=0.0)
+    from_nodes = tl.load(x + (rows[:, None] - (W - 1)) * x_row_stride + channels[None, :],
+                         mask=w_mask[:, None] & (~in_window[:, None]) & c_mask[None, :], other=0.0)
+    hist = tl.where(in_window[:, None], from_window.to(tl.float32), from_nodes.to(tl.float32))
+    taps = tl.load(weight + channels[None, :] * W + o_w[:, None],
+                   mask=w_mask[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
+    out = tl.sum(hist * taps, axis=0)
+    if HAS_BIAS:
+        out += tl.load(bias + channels, mask=c_mask, other=0.0).to(tl.float32)
+    out = out * tl.sigmoid(out)
+    return out.to(x.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _conv_gates_kernel(x, x_row_stride, window, window_stride, index, weight, bias,
+                       a, b, ab_row_stride, neg_A, dt_bias,
+                       q_out, k_out, v_out, g_out, beta_out, x_out, C, scale,
+                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, NEG_EIGVAL: tl.constexpr, COPY_X: tl.constexpr):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    o_w = tl.arange(0, BW)
+    w_mask = o_w < W
+    rows = tl.load(index + n * W + o_w, mask=w_mask, other=0)
+    in_window = rows < W - 1
+    o_k = tl.arange(0, BK)
+    k_mask = o_k < K
+    o_v = tl.arange(0, BV)
+    v_mask = o_v < V
+
+    q_ch = h * K + o_k
+    k_ch = H * K + h * K + o_k
+    v_ch = 2 * H * K + h * V + o_v
+    q = _node_conv(x, x_row_stride, window, window_stride, weight, bias, rows, in_window, o_w, w_mask,
+                   q_ch, k_mask, W, HAS_BIAS)
+    k = _node_conv(x, x_row_stride, window, window_stride, weight, bias, rows, in_window, o_w, w_mask,
+                   k_ch, k_mask, W, HAS_BIAS)
+    v = _node_conv(x, x_row_stride, window, window_stride, weight, bias, rows, in_window, o_w, w_mask,
+                   v_ch, v_mask, W, HAS_BIAS)
+    q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)) * scale
+    k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6))
+    head = n * H + h
+    tl.store(q_out + head * K + o_k, q, mask=k_mask)
+    tl.store(k_out + head * K + o_k, k, mask=k_mask)
+    tl.store(v_out + head * V + o_v, v, mask=v_mask)
+
+    raw_a = tl.load(a + n * ab_row_stride + h).to(tl.float32) + tl.load(dt_bias + h).to(tl.float32)
+    softplus = tl.where(raw_a > 20.0, raw_a, tl.log(1.0 + tl.exp(tl.minimum(raw_a, 20.0))))
+    tl.store(g_out + head, tl.load(neg_A + h).to(tl.float32) * softplus)
+    beta = tl.sigmoid(tl.load(b + n * ab_row_stride + h).to(tl.float32))
+    if NEG_EIGVAL:
+        beta = beta * 2.0
+    tl.store(beta_out + head, beta)
+
+    if COPY_X:   # the raw conv inputs of this head's channels: the conv-window factor
+        tl.store(x_out + n * C + q_ch, tl.load(x + n * x_row_stride + q_ch, mask=k_mask), mask=k_mask)
+        tl.store(x_out + n * C + k_ch, tl.load(x + n * x_row_stride + k_ch, mask=k_mask), mask=k_mask)
+        tl.store(x_out + n * C + v_ch, tl.load(x + n * x_row_stride + v_ch, mask=v_mask), mask=v_mask)
+
+
+def conv_gates(x: torch.Tensor, window: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, neg_A: torch.Tensor,
+               dt_bias: torch.Tensor, head_dim: int, head_v_dim: int, neg_eigval: bool = False,
+               k_out: torch.Tensor | None = None, g_out: torch.Tensor | None = None,
+               x_out: torch.Tensor | None = None):
+    """`conv_gates_ref`, in one launch. x [1,N,C] and a, b [1,N,H] may be column slices of
+    one projection output (rows strided); window [1,C,W-1] a view of the conv cache. The
+    optional outputs receive k [1,N,H,K] and g [1,N,H] (fp32) and a copy of x [1,N,C]: the
+    factors a commit needs. Returns (q, k, v, g, beta) as the reference does."""
+    _, N, C = x.shape
+    H, K, V = a.shape[-1], head_dim, head_v_dim
+    W = weight.shape[1]
+    if C != H * (2 * K + V) or weight.shape[0] != C or index.shape != (N, W):
+        raise ValueError(f"conv_gates: x {tuple(x.shape)}, weight {tuple(weight.shape)}, index "
+                         f"{tuple(index.shape)} do not fit H={H}, K={K}, V={V}")
+    if x.stride(-1) != 1 or a.stride(-1) != 1 or b.stride(-1) != 1 or window.stride(-1) != 1:
+        raise ValueError("conv_gates: the last dimension of x, a, b and window must be contiguous")
+    if a.stride(1) != b.stride(1):
+        raise ValueError("conv_gates: a and b must share their row stride")
+    dev = x.device
+    q = torch.empty(1, N, H, K, device=dev, dtype=torch.float32)
+    v = torch.empty(1, N, H, V, device=dev, dtype=torch.float32)
+    beta = torch.empty(1, N, H, device=dev, dtype=torch.float32)
+    k = k_out if k_out is not None else torch.empty(1, N, H, K, device=dev, dtype=torch.float32)
+    g = g_out if g_out is not None else torch.empty(1, N, H, device=dev, dtype=torch.float32)
+    for name, t, shape in (("k_out", k, (1, N, H, K)), ("g_out", g, (1, N, H))):
+        if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"conv_gates: {name} must be a contiguous fp32 tensor of shape {shape}")
+    if x_out is not None and (tuple(x_out.shape) != (1, N, C) or not x_out.is_contiguous()):
+        raise ValueError(f"conv_gates: x_out must be contiguous of shape {(1, N, C)}")
+    _conv_gates_kernel[(N, H)](
+        x, x.stride(1), window, window.stride(1), index.contiguous(), weight.contiguous(),
+        bias, a, b, a.stride(1), neg_A, dt_bias, q, k, v, g, beta,
+        x_out if x_out is not None else x, C, head_dim ** -0.5,
+        H=H, K=K, V=V, W=W, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V),
+        BW=triton.next_power_of_2(W), HAS_BIAS=bias is not None, NEG_EIGVAL=neg_eigval,
+        COPY_X=x_out is not None, num_warps=4 if max(K, V) >= 256 else 2)
+    return q, k, v, g, beta
