@@ -29,13 +29,13 @@ for stage in "$@"; do
   echo "=== stage $stage"
   case $stage in
     tests) timeout "${T_TESTS:-200}" python3 -m pytest -v -m gpu -p no:cacheprovider --durations=20 \
-             ${TESTS:-tests/test_gpu_runtime.py} > "$R/gpu_tests.txt" 2>&1; tail -30 "$R/gpu_tests.txt" ;;
+             -k "${TESTS_K:-}" tests/test_gpu_runtime.py > "$R/gpu_tests.txt" 2>&1; tail -30 "$R/gpu_tests.txt" ;;
     kernel-tests) timeout "${T_KERNEL_TESTS:-400}" python3 -m pytest -q -p no:cacheprovider \
              tests/test_kernels.py -k "${KERNEL_TESTS:-not interpreter}" > "$R/gpu_kernel_tests.txt" 2>&1
            tail -5 "$R/gpu_kernel_tests.txt" ;;
     runtime) bench runtime "${T_RUNTIME:-260}" ;;
     kernels) bench kernels "${T_KERNELS:-240}" ;;
-    e2e) bench e2e "${T_E2E:-520}" ;;
+    e2e) bench e2e "${T_E2E:-520}" ${E2E_ARGS:-} ;;
     e2e-quick) bench e2e "${T_E2E:-200}" --quick ;;
     acceptance) bench acceptance "${T_ACCEPTANCE:-200}" ;;
     *) echo "unknown stage $stage" ;;
