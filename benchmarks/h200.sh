@@ -12,10 +12,6 @@ export PYTHONPATH=/tmp/site:$PWD
 OUT=${OUT:-/tmp/specla-out}
 R=$OUT/results
 mkdir -p "$R"
-# Triton's compile cache can travel between calls as .tcache/tcache.tgz (git-ignored)
-export TRITON_CACHE_DIR=/tmp/triton-cache
-mkdir -p "$TRITON_CACHE_DIR"
-[ -f .tcache/tcache.tgz ] && tar -xzf .tcache/tcache.tgz -C "$TRITON_CACHE_DIR"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$R/device.txt"
 
 bench() {  # bench SUITE LIMIT [extra args]
@@ -44,5 +40,4 @@ for stage in "$@"; do
   # the reply carries at most 8 files: one archive of the results, rewritten after each stage
   tar -czf "$OUT/results.tgz" -C "$OUT" results
 done
-tar -czf "$OUT/tcache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
 ls -la "$OUT"

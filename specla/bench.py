@@ -1036,7 +1036,8 @@ def _md_e2e(e: dict) -> list[str]:
                       "|---|---|---|---|---|---|---|---|"]
             for r in p.get("rows", []):
                 if "tau" not in r:
-                    lines.append(f"| {r.get('name')} | {r.get('alpha', '')} | {r.get('skipped') or (r.get('result') or {}).get('error', '')} | | | | | |")
+                    name = r.get('name') or f"{r.get('drafter')}/{r.get('settings')}"
+                    lines.append(f"| {name} | {r.get('alpha', '')} | {r.get('skipped') or (r.get('result') or {}).get('error', '')} | | | | | |")
                     continue
                 split = ", ".join(f"{k} {v:.2f}" for k, v in r["time_split_ms_per_step"].items())
                 ex = r["exact"]
