@@ -105,3 +105,31 @@ def test_stat_and_timing_helpers():
     assert math.isclose(t["achieved_GBps"], 2_000_000 / (1.5 * 1e6))
     assert math.isclose(t["fraction_of_floor"], 0.5 / 1.5)
     assert bench.ratio(None, 1.0) is None and bench.ratio(3.0, 1.5) == 2.0
+
+
+def test_lilicorr_head_share_is_its_time_over_the_step(tmp_path):
+    """The head's cost next to the step it rides on: shares are the ratios of the numbers
+    reported beside them (CPU: eager timings only)."""
+    import dataclasses
+
+    import torch
+
+    from specla.drafters import new_drafter
+    from specla.drafters.base import DraftSettings
+    from tests.helpers import random_target
+
+    target = random_target()
+    drafter = new_drafter("lilicorr", target, block_size=4, top_k=4, width=32, heads=2, layers=1,
+                          mlp_hidden=64, head={"width": 32, "heads": 2, "layers": 1, "mlp_hidden": 64})
+    drafter.ctx = torch.randn(5, drafter.net.config.width)
+    settings = DraftSettings(tree="chain", block_size=4, top_k=4, budget=3)
+    row = {"drafter": "lilicorr", "settings": "chain", "tau": 2.0,
+           "ms_per_token": {"median": 3.0}, "time_split_ms_per_step": {"graph": 1.0},
+           "draft_settings": dataclasses.asdict(settings)}
+    cost = bench.lilicorr_head_overhead(drafter, [row])
+    assert cost["slots"] == 3 and cost["top_k"] == 4
+    assert cost["measured_step_ms"] == 6.0
+    head_ms = cost["head_eager_ms"]["median"]
+    assert head_ms > 0 and math.isclose(cost["head_eager_share_of_measured_step"], head_ms / 6.0)
+    assert "head_graph_ms" not in cost                   # graphs only on CUDA
+    assert bench.lilicorr_head_overhead(drafter, [])["skipped"]
