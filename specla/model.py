@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specla.config import GDNConfig
+from specla.cpu_linear import Linear, linear
 from specla.tree import DraftTree
 
 
@@ -114,54 +115,65 @@ class GatedDeltaNetMixer(nn.Module):
         super().__init__()
         c = config
         self.config = c
-        self.q_proj = nn.Linear(c.hidden_size, c.key_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, c.key_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, c.value_dim, bias=False)
-        self.a_proj = nn.Linear(c.hidden_size, c.num_heads, bias=False)
-        self.b_proj = nn.Linear(c.hidden_size, c.num_heads, bias=False)
+        self.q_proj = Linear(c.hidden_size, c.key_dim, bias=False)
+        self.k_proj = Linear(c.hidden_size, c.key_dim, bias=False)
+        self.v_proj = Linear(c.hidden_size, c.value_dim, bias=False)
+        self.a_proj = Linear(c.hidden_size, c.num_heads, bias=False)
+        self.b_proj = Linear(c.hidden_size, c.num_heads, bias=False)
         self.A_log = nn.Parameter(torch.zeros(c.num_heads))
         self.dt_bias = nn.Parameter(torch.zeros(c.num_heads))
         for name, dim in (("q_conv1d", c.key_dim), ("k_conv1d", c.key_dim), ("v_conv1d", c.value_dim)):
             setattr(self, name, nn.Conv1d(dim, dim, c.conv_size, groups=dim, bias=c.conv_bias))
         if c.use_gate:
-            self.g_proj = nn.Linear(c.hidden_size, c.value_dim, bias=False)
+            self.g_proj = Linear(c.hidden_size, c.value_dim, bias=False)
         self.o_norm = RMSNorm(c.head_v_dim, c.norm_eps)
-        self.o_proj = nn.Linear(c.value_dim, c.hidden_size, bias=False)
+        self.o_proj = Linear(c.value_dim, c.hidden_size, bias=False)
+
+    def _inference_cache(self, name: str, params: list[torch.Tensor], build):
+        """`build()` once per set of weights at inference; rebuilt on every call under autograd.
+
+        Keyed by the weights' storage, so a reload or a device move rebuilds it; with autograd
+        on (training) it is rebuilt on each call so gradients reach the parameters. On the
+        small CPU model the per-call concatenations cost as much as the matmuls they feed.
+        """
+        if torch.is_grad_enabled():
+            return build()
+        key = tuple(p.data_ptr() for p in params)
+        cached = self.__dict__.get("_cache_" + name)
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_cache_" + name] = (key, build())
+        return cached[1]
 
     def conv_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Depthwise conv taps of q|k|v as one [C, W] matrix (and bias [C])."""
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        weight = torch.cat([c.weight.squeeze(1) for c in convs])
-        bias = torch.cat([c.bias for c in convs]) if self.config.conv_bias else None
-        return weight, bias
+
+        def build():
+            weight = torch.cat([c.weight.squeeze(1) for c in convs])
+            bias = torch.cat([c.bias for c in convs]) if self.config.conv_bias else None
+            return weight, bias
+        return self._inference_cache("conv", [c.weight for c in convs], build)
 
     def tree_conv(self, x: torch.Tensor, window: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Short causal conv along each node's ancestor path. x [B,N,C], window [B,C,W-1]."""
         weight, bias = self.conv_weight()
         history = torch.cat([window.transpose(1, 2).to(x.dtype), x], dim=1)   # [B, W-1+N, C]
-        taps = history[:, index]                                            # [B, N, W, C]
-        out = torch.einsum("bnwc,cw->bnc", taps, weight.to(x.dtype))
+        B, N, C = x.shape
+        # one flat gather and a multiply-add over the W taps: on the CPU the advanced index
+        # and the einsum (a permuted bmm) cost several times more for these tiny shapes
+        taps = history.index_select(1, index.flatten()).view(B, N, index.shape[1], C)
+        out = (taps * weight.t().to(x.dtype)).sum(2)
         if bias is not None:
             out = out + bias
         return F.silu(out)
 
     def input_projection(self, h: torch.Tensor) -> torch.Tensor:
-        """q|k|v|a|b(|g) projections as one matmul (one weight read per step, not six).
-
-        At inference the concatenated weight is cached (keyed by the weights' storage, so a
-        reload or a device move rebuilds it); with autograd on (training) it is rebuilt on each
-        call so gradients reach the parameters.
-        """
+        """q|k|v|a|b(|g) projections as one matmul (one weight read per step, not six)."""
         parts = [self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj]
         if self.config.use_gate:
             parts.append(self.g_proj)
-        if torch.is_grad_enabled():
-            return F.linear(h, torch.cat([p.weight for p in parts]))
-        key = tuple(p.weight.data_ptr() for p in parts)   # new weights (load, .to()) -> rebuild
-        if getattr(self, "_fused_key", None) != key:
-            self._fused_weight = torch.cat([p.weight.detach() for p in parts])
-            self._fused_key = key
-        return F.linear(h, self._fused_weight)
+        weights = [p.weight for p in parts]
+        return linear(h, self._inference_cache("in_proj", weights, lambda: torch.cat(weights)))
 
     def qkv_gates(self, h: torch.Tensor, window: torch.Tensor, topo: Topology):
         """Everything of the layer that comes before the recurrence, and the output gate."""
@@ -200,9 +212,9 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 class GatedMLP(nn.Module):
     def __init__(self, config: GDNConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.mlp_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.mlp_size, bias=False)
-        self.down_proj = nn.Linear(config.mlp_size, config.hidden_size, bias=False)
+        self.gate_proj = Linear(config.hidden_size, config.mlp_size, bias=False)
+        self.up_proj = Linear(config.hidden_size, config.mlp_size, bias=False)
+        self.down_proj = Linear(config.mlp_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -230,7 +242,7 @@ class GDNForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Backbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embeddings.weight
 
