@@ -77,9 +77,28 @@ def path_log_decay(g: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
     return G
 
 
+class TreeMasks:
+    """What the parallel form needs of a topology, built once and shared by every layer.
+
+    anc [N, N] float (1 where j is a proper ancestor of i); path [N, N] float (ancestor or
+    self: G = path @ g sums each node's path decay); outside [N, N] bool (not on i's path);
+    eye [N, N] float.
+    """
+
+    def __init__(self, parents: torch.Tensor):
+        n = parents.numel()
+        anc = ancestor_mask(parents)
+        eye = torch.eye(n, dtype=torch.bool, device=anc.device)
+        self.chain = is_chain(parents)
+        self.anc = anc.float()
+        self.path = (anc | eye).float()
+        self.outside = ~(anc | eye)
+        self.eye = eye.float()
+
+
 def tree_verify_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                    beta: torch.Tensor, S0: torch.Tensor,
-                    parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    beta: torch.Tensor, S0: torch.Tensor, parents: torch.Tensor,
+                    masks: TreeMasks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Tree-masked parallel form (the UT transform restricted to ancestors).
 
         A_ij = beta_i exp(G_i - G_j) (k_i . k_j)      j a proper ancestor of i, else 0
@@ -87,22 +106,21 @@ def tree_verify_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         O_i  = exp(G_i) q_i^T S0 + sum_{j in anc(i) + i} exp(G_i - G_j) (q_i . k_j) u_j
 
     Entries between different branches are exactly zero, so each path sees only its own
-    ancestors, and no per-node state is ever formed.
+    ancestors, and no per-node state is ever formed. `masks` (from `TreeMasks(parents)`)
+    may be passed in so that a multi-layer forward builds them once.
     """
+    m = masks if masks is not None else TreeMasks(parents)
     q, k, v, beta, S0 = q.float(), k.float(), v.float(), beta.float(), S0.float()
-    n = q.shape[1]
-    anc = ancestor_mask(parents)
-    anc_or_self = anc | torch.eye(n, dtype=torch.bool, device=anc.device)
-    G = path_log_decay(g, parents).transpose(1, 2)                    # [B, H, N]
-    diff = G[..., :, None] - G[..., None, :]                          # G_i - G_j
-    decay = torch.where(anc_or_self, diff, torch.full_like(diff, float("-inf"))).exp()
+    # path decay: a cumsum on chains; on trees one matmul with the path mask (no node loop)
+    G = (g.float().cumsum(1) if m.chain else m.path @ g.float()).transpose(1, 2)   # [B, H, N]
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill_(m.outside, float("-inf")).exp_()
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))               # [B, H, N, *]
     bh = beta.transpose(1, 2)[..., None]                              # [B, H, N, 1]
-    A = bh * decay * (kh @ kh.transpose(-1, -2)) * anc                # strictly lower
-    rhs = bh * (vh - G.exp()[..., None] * (kh @ S0))
-    eye = torch.eye(n, dtype=A.dtype, device=A.device)
-    u = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
-    o = G.exp()[..., None] * (qh @ S0) + (decay * (qh @ kh.transpose(-1, -2))) @ u
+    A = bh * decay * (kh @ kh.transpose(-1, -2)) * m.anc              # strictly lower
+    eG = G.exp()[..., None]
+    rhs = bh * (vh - eG * (kh @ S0))
+    u = torch.linalg.solve_triangular(m.eye + A, rhs, upper=False, unitriangular=True)
+    o = eG * (qh @ S0) + (decay * (qh @ kh.transpose(-1, -2))) @ u
     return o.transpose(1, 2), u.transpose(1, 2)
 
 
@@ -168,6 +186,19 @@ def commit_ref(S0: torch.Tensor, k: torch.Tensor, delta: torch.Tensor,
         S = S * g[:, t].float().exp()[..., None, None]
         S = S + k[:, t].float()[..., :, None] * delta[:, t].float()[..., None, :]
     return S
+
+
+def commit_closed_form(S0: torch.Tensor, k: torch.Tensor, delta: torch.Tensor,
+                       g: torch.Tensor) -> torch.Tensor:
+    """`commit_ref` in one shot: S = exp(G_T) S0 + sum_t exp(G_T - G_t) k_t delta_t^T.
+
+    Same result up to fp32 rounding, in a fixed handful of ops instead of ~8 per token: what
+    the CPU folds a multi-token accepted path with (a one-token fold keeps `commit_ref`).
+    """
+    G = g.float().cumsum(1)                                           # [B, T, H]
+    weight = (G[:, -1:] - G).exp()                                    # exp(G_T - G_t)
+    kw = (k.float() * weight[..., None]).permute(0, 2, 3, 1)          # [B, H, K, T]
+    return S0.float() * G[:, -1].exp()[..., None, None] + kw @ delta.float().transpose(1, 2)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -118,7 +118,7 @@ class DraftTree:
         next to it in node order.
         """
         hist = width - 1
-        index = torch.empty(len(self), width, dtype=torch.long)
+        rows = []
         for i in range(len(self)):
             taps, node, back = [], i, hist - 1
             for _ in range(width):
@@ -128,8 +128,8 @@ class DraftTree:
                 else:
                     taps.append(back)
                     back -= 1
-            index[i] = torch.tensor(taps[::-1])
-        return index
+            rows.append(taps[::-1])
+        return torch.tensor(rows, dtype=torch.long)   # one tensor built, not one per node
 
     def to_index_paths(self) -> list[list[int]]:
         """Medusa-style shape: for each non-root node, the sibling ranks along its path."""

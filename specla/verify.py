@@ -59,7 +59,22 @@ def verify_layer(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         commit_layer(S0, *pending)
     if mode == "chain":
         return reference.chain_verify_ref(q, k, v, g, beta, S0)
+    if mode == "tree":
+        return reference.tree_verify_ref(q, k, v, g, beta, S0, topo.parents, _tree_masks(topo))
     return reference.VERIFY_REFERENCES[mode](q, k, v, g, beta, S0, topo.parents)
+
+
+def _tree_masks(topo) -> reference.TreeMasks:
+    """The parallel form's masks, built once per topology rather than once per layer.
+
+    The parents are part of the entry, so a topology whose tree is swapped in place (as
+    specla.cuda_graphs' SpecTopology.load does) never gets stale masks.
+    """
+    parents = tuple(topo.tree.parents)
+    entry = topo.cache.get("ref_tree_masks")
+    if entry is None or entry[0] != parents:
+        entry = topo.cache["ref_tree_masks"] = (parents, reference.TreeMasks(topo.parents))
+    return entry[1]
 
 
 def commit_layer(S: torch.Tensor, k: torch.Tensor, delta: torch.Tensor, g: torch.Tensor) -> None:
@@ -67,5 +82,7 @@ def commit_layer(S: torch.Tensor, k: torch.Tensor, delta: torch.Tensor, g: torch
     if S.is_cuda:
         from kernels import triton_verify
         triton_verify.commit(S, k, delta, g)
-    else:
+    elif k.shape[1] > 1:
+        S.copy_(reference.commit_closed_form(S, k, delta, g))
+    else:  # one token (every AR step): the very operations of the AR recurrence
         S.copy_(reference.commit_ref(S, k, delta, g))
