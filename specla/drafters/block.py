@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from specla.cpu_linear import Linear, linear
 from specla.drafters import tree_build
 from specla.drafters.base import Accepted, Draft, DraftContext, DraftSettings
 from specla.model import RMSNorm
@@ -63,7 +64,7 @@ class TargetParts:
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Target norm + LM head over drafter outputs already at the target width."""
-        return F.linear(self.norm(x).to(self.lm_weight.dtype), self.lm_weight)
+        return linear(self.norm(x).to(self.lm_weight.dtype), self.lm_weight)
 
 
 def rope(x: torch.Tensor, pos: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
@@ -84,18 +85,26 @@ class Attention(nn.Module):
         if width % heads:
             raise ValueError(f"width {width} is not a multiple of {heads} heads")
         self.heads, self.head_dim = heads, width // heads
-        self.q_proj = nn.Linear(width, width, bias=False)
-        self.k_proj = nn.Linear(width, width, bias=False)
-        self.v_proj = nn.Linear(width, width, bias=False)
-        self.o_proj = nn.Linear(width, width, bias=False)
+        self.q_proj = Linear(width, width, bias=False)
+        self.k_proj = Linear(width, width, bias=False)
+        self.v_proj = Linear(width, width, bias=False)
+        self.o_proj = Linear(width, width, bias=False)
         self.q_norm = RMSNorm(self.head_dim, 1e-6)
         self.k_norm = RMSNorm(self.head_dim, 1e-6)
 
+    def raw_keys(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normed, not yet rotated keys and values of rows x [..., T, width]: [..., T, H, Dh].
+
+        They do not depend on the rows' positions, so a drafter can keep them for the rows
+        it holds and only rotate them at each step's relative positions.
+        """
+        shape = (*x.shape[:-1], self.heads, self.head_dim)
+        return self.k_norm(self.k_proj(x).view(shape)), self.v_proj(x).view(shape)
+
     def keys(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated keys and values of rows x [..., T, width]: each [..., T, H, Dh]."""
-        shape = (*x.shape[:-1], self.heads, self.head_dim)
-        k = rope(self.k_norm(self.k_proj(x).view(shape)), pos)
-        return k, self.v_proj(x).view(shape)
+        k, v = self.raw_keys(x)
+        return rope(k, pos), v
 
     def attend(self, x: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: torch.Tensor | None) -> torch.Tensor:
@@ -110,9 +119,9 @@ class Attention(nn.Module):
 class SwiGLU(nn.Module):
     def __init__(self, width: int, hidden: int):
         super().__init__()
-        self.gate_proj = nn.Linear(width, hidden, bias=False)
-        self.up_proj = nn.Linear(width, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, width, bias=False)
+        self.gate_proj = Linear(width, hidden, bias=False)
+        self.up_proj = Linear(width, hidden, bias=False)
+        self.down_proj = Linear(hidden, width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -129,13 +138,17 @@ class Layer(nn.Module):
         self.mlp = SwiGLU(width, mlp_hidden)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, mem: torch.Tensor | None,
-                mem_pos: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
-        """x [N, T, width] attends to [mem rows (as they are); its own normed rows]."""
+                mem_pos: torch.Tensor | None, mask: torch.Tensor | None,
+                mem_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [N, T, width] attends to [mem rows (as they are); its own normed rows].
+
+        mem_kv, if given, is `self.attn.raw_keys(mem)` computed earlier (a drafter's cache).
+        """
         h = self.attn_norm(x)
         k, v = self.attn.keys(h, pos)
         if mem is not None and mem.shape[1]:
-            mk, mv = self.attn.keys(mem, mem_pos)
-            k, v = torch.cat([mk, k], dim=1), torch.cat([mv, v], dim=1)
+            mk, mv = mem_kv if mem_kv is not None else self.attn.raw_keys(mem)
+            k, v = torch.cat([rope(mk, mem_pos), k], dim=1), torch.cat([mv, v], dim=1)
         x = x + self.attn.attend(h, pos, k, v, mask)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -166,13 +179,13 @@ class BlockNet(nn.Module):
     def __init__(self, config: BlockConfig, head: nn.Module | None = None):
         super().__init__()
         c = self.config = config
-        self.fc = nn.Linear(len(c.feature_layers) * c.target_hidden, c.width, bias=False)
+        self.fc = Linear(len(c.feature_layers) * c.target_hidden, c.width, bias=False)
         self.ctx_norm = RMSNorm(c.width, 1e-6)
-        self.in_proj = nn.Linear(c.target_hidden, c.width, bias=False)
+        self.in_proj = Linear(c.target_hidden, c.width, bias=False)
         self.mask_emb = nn.Parameter(torch.randn(c.width) * 0.02)
         self.layers = nn.ModuleList(Layer(c.width, c.heads, c.mlp_hidden) for _ in range(c.layers))
         self.norm = RMSNorm(c.width, 1e-6)
-        self.out_proj = nn.Linear(c.width, c.target_hidden, bias=False)
+        self.out_proj = Linear(c.width, c.target_hidden, bias=False)
         self.head = head
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
@@ -180,11 +193,14 @@ class BlockNet(nn.Module):
         return self.ctx_norm(self.fc(features.flatten(-2).to(self.fc.weight.dtype)))
 
     def forward(self, parts: TargetParts, root: torch.Tensor, ctx: torch.Tensor,
-                ctx_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                ctx_valid: torch.Tensor | None = None,
+                ctx_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """One block pass.
 
         root [N] tokens, ctx [N, n, width] fused rows (oldest first, n <= window), ctx_valid
-        [N, n] bool. Returns slot hiddens h [N, B-1, width] and logits [N, B-1, vocab].
+        [N, n] bool; ctx_kv optionally each layer's `raw_keys(ctx)`, kept by the caller.
+        Returns slot hiddens h [N, B-1, width] and logits [N, B-1, vocab].
         """
         c = self.config
         N, n = ctx.shape[:2]
@@ -198,8 +214,8 @@ class BlockNet(nn.Module):
         if ctx_valid is not None:
             see = torch.cat([ctx_valid, torch.ones(N, B, dtype=torch.bool, device=dev)], dim=1)
             mask = see[:, None, None, :]
-        for layer in self.layers:
-            x = layer(x, pos, ctx, ctx_pos, mask)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, pos, ctx, ctx_pos, mask, None if ctx_kv is None else ctx_kv[i])
         h = self.norm(x)[:, 1:]
         return h, parts.logits(self.out_proj(h))
 
@@ -216,11 +232,19 @@ class BlockDrafter:
         self.name = self.kind
         self.feature_layers = net.config.feature_layers
         self.ctx = self._empty()
+        self.ctx_kv = self._empty_kv()
 
     # -- state: fused rows of accepted positions only ----------------------------------
     def _empty(self) -> torch.Tensor:
         w = self.net.fc.weight
         return torch.zeros(0, self.net.config.width, device=w.device, dtype=w.dtype)
+
+    def _empty_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the raw keys/values of the context rows (see `Attention.raw_keys`):
+        the rows only change when tokens are accepted, so they are projected once, not at
+        every draft."""
+        with torch.no_grad():
+            return [layer.attn.raw_keys(self.ctx) for layer in self.net.layers]
 
     def _append(self, features: torch.Tensor | None) -> None:
         if features is None:
@@ -232,11 +256,15 @@ class BlockDrafter:
         window = self.net.config.window
         with torch.no_grad():
             rows = self.net.fuse(features[-window:].to(self.ctx.device))
+            new_kv = [layer.attn.raw_keys(rows) for layer in self.net.layers]
         self.ctx = torch.cat([self.ctx, rows])[-window:]
+        self.ctx_kv = [(torch.cat([k, nk])[-window:], torch.cat([v, nv])[-window:])
+                       for (k, v), (nk, nv) in zip(self.ctx_kv, new_kv)]
 
     def reset(self, prompt_tokens: list[int], features: torch.Tensor | None,
               last_hidden: torch.Tensor) -> None:
         self.ctx = self._empty()
+        self.ctx_kv = self._empty_kv()
         if len(prompt_tokens) > 1:
             self._append(features)
 
@@ -258,7 +286,8 @@ class BlockDrafter:
     @torch.no_grad()
     def _slots(self, root: int) -> tuple[torch.Tensor, torch.Tensor]:
         dev = self.ctx.device
-        h, logits = self.net(self.parts, torch.tensor([root], device=dev), self.ctx[None])
+        h, logits = self.net(self.parts, torch.tensor([root], device=dev), self.ctx[None],
+                             ctx_kv=[(k[None], v[None]) for k, v in self.ctx_kv])
         return h[0], logits[0].float()
 
     def propose(self, ctx: DraftContext) -> Draft:

@@ -23,9 +23,10 @@ import dataclasses
 import torch
 import torch.nn as nn
 
+from specla.cpu_linear import Linear
 from specla.drafters import tree_build
 from specla.drafters.base import Accepted, Draft, DraftContext, DraftSettings
-from specla.drafters.block import Layer, TargetParts
+from specla.drafters.block import Layer, TargetParts, rope
 
 
 @dataclasses.dataclass
@@ -45,13 +46,17 @@ class EagleNet(nn.Module):
     def __init__(self, config: EagleConfig):
         super().__init__()
         c = self.config = config
-        self.fc = nn.Linear(2 * c.target_hidden, c.width, bias=False)
+        self.fc = Linear(2 * c.target_hidden, c.width, bias=False)
         self.layer = Layer(c.width, c.heads, c.mlp_hidden)
 
     def rows(self, parts: TargetParts, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """fc([E(token); hidden]) for tokens [...] and hiddens [..., D]."""
         dtype = self.fc.weight.dtype
         return self.fc(torch.cat([parts.embed(tokens).to(dtype), hidden.to(dtype)], dim=-1))
+
+    def raw_kv(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys before RoPE and values of rows: position-free, so a drafter keeps them."""
+        return self.layer.attn.raw_keys(self.layer.attn_norm(rows))
 
     def kv(self, rows: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.layer.attn.keys(self.layer.attn_norm(rows), pos)
@@ -117,6 +122,8 @@ class EagleDrafter:
     def _clear(self) -> None:
         w = self.net.fc.weight
         self.rows = torch.zeros(0, self.net.config.width, device=w.device, dtype=w.dtype)
+        with torch.no_grad():  # raw keys/values of the accepted rows, projected once each
+            self.rows_kv = self.net.raw_kv(self.rows)
         self.h_last = torch.zeros(self.net.config.target_hidden, device=w.device, dtype=w.dtype)
 
     # -- state: rows of accepted positions, and the last accepted hidden -----------------
@@ -129,7 +136,9 @@ class EagleDrafter:
         dev = self.rows.device
         with torch.no_grad():
             new = self.net.rows(self.parts, torch.tensor(tokens, device=dev), hidden_before.to(dev))
+            new_kv = self.net.raw_kv(new)
         self.rows = torch.cat([self.rows, new])[-window:]
+        self.rows_kv = tuple(torch.cat([old, add])[-window:] for old, add in zip(self.rows_kv, new_kv))
 
     def reset(self, prompt_tokens: list[int], features: torch.Tensor | None,
               last_hidden: torch.Tensor) -> None:
@@ -189,8 +198,8 @@ class _TreeSearch:
         self.top_k = 1 if s.tree == "chain" else s.top_k
         W = self.net.config.window
         n = drafter.rows.shape[0]
-        with torch.no_grad():
-            self.ctx_k, self.ctx_v = self.net.kv(drafter.rows[None], torch.arange(W - n, W, device=drafter.rows.device))
+        raw_k, self.ctx_v = (t[None] for t in drafter.rows_kv)
+        self.ctx_k = rope(raw_k, torch.arange(W - n, W, device=drafter.rows.device))
         self.k: list[torch.Tensor] = []     # per processed node [H, Dh]
         self.v: list[torch.Tensor] = []
         self.hid: list[torch.Tensor] = []   # norm(o) of each processed node

@@ -89,15 +89,38 @@ def build_tree(root_token: int, expand: Expand, *, shape: str, top_k: int, budge
         candidates.extend(n.index for n in (born if shape == "best-first" else kept))
         if prune_tau is not None:  # a node below the threshold has no descendant above it
             kept = [n for n in kept if n.score >= best - prune_tau]
+        if shape == "best-first":
+            kept = _within_budget(kept, [pool[i] for i in candidates], budget)
         frontier = kept
 
     return _select(pool, candidates, best, budget, prune_tau, max_pruned_records)
 
 
+def _rank_key(node: Node) -> tuple:
+    """The order in which `_select` takes candidates (best score, then shallow, then first)."""
+    return (-node.score, node.depth, node.index)
+
+
+def _within_budget(frontier: list[Node], candidates: list[Node], budget: int) -> list[Node]:
+    """The frontier nodes that can still be in the best-first tree.
+
+    `_select` takes the first `budget` candidates in `_rank_key` order. A node with `budget`
+    candidates already ahead of it can never get there (later candidates only push it down)
+    and its descendants rank after it, so expanding it is wasted: for a drafter that runs a
+    network per depth (EAGLE) the frontier shrinks from `budget` nodes to the few that can
+    still make it, and the tree is the same. Only the views' list of pruned nodes is shorter
+    (descendants that were never generated are not listed).
+    """
+    if len(candidates) <= budget:
+        return frontier
+    cutoff = sorted(_rank_key(n) for n in candidates)[budget - 1]
+    return [n for n in frontier if _rank_key(n) <= cutoff]
+
+
 def _select(pool: list[Node], candidates: list[int], best: float | None, budget: int,
             prune_tau: float | None, max_records: int) -> tuple[DraftTree, list[Node]]:
     """Confidence pruning, then the budget, both ancestor-closed; then the tree."""
-    order = sorted(candidates, key=lambda i: (-pool[i].score, pool[i].depth, i))
+    order = sorted(candidates, key=lambda i: _rank_key(pool[i]))
     chosen: set[int] = {0}
     selected: list[int] = []
     dropped: list[tuple[int, str]] = []
