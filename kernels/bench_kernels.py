@@ -500,6 +500,7 @@ def main(argv=None) -> int:
         (args.out / "verify_cost.json").write_text(json.dumps(cost, indent=1))
         return auto_rule
 
+    auto_rule = save()
     for name, section in sections:
         if name in skip:
             continue
