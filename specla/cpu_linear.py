@@ -19,7 +19,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 # The packing is tuned for a batch of this many rows; any row count works.
 PACK_ROWS = 8
-_ENABLED = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+# private ops of PyTorch's oneDNN backend (inductor uses them): without either, plain F.linear
+_ENABLED = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 # the overload itself: a few microseconds less per call than resolving the packet each time
 _OP = torch.ops.mkldnn._linear_pointwise.default if _ENABLED else None
 
