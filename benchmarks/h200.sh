@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The H200 runs behind benchmarks/results/, in stages that each fit a 10-minute device command:
 #   SPECLA_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200.sh tests runtime kernels e2e
-# Stages: tests (pytest -m gpu), kernel-tests (tests/test_kernels.py on the GPU), runtime, kernels, e2e, e2e-quick, acceptance. Needs the
+# Stages: tests (pytest -m gpu), kernel-tests (tests/test_kernels.py on the GPU), runtime, kernels, e2e, e2e-quick, acceptance,
+# target (a second training stage of the embedded target from assets/target; needs data/corpus). Needs the
 # pure-Python wheels in .whl/ (see benchmarks/README.md). Results land in $OUT/results
 # (default /tmp/specla-out/results); a stage's time limit is its T_<STAGE> variable.
 set -u
@@ -34,6 +35,11 @@ for stage in "$@"; do
     e2e) bench e2e "${T_E2E:-520}" ${E2E_ARGS:-} ;;
     e2e-quick) bench e2e "${T_E2E:-200}" --quick ;;
     acceptance) bench acceptance "${T_ACCEPTANCE:-200}" ;;
+    target) # the exported weights are too big for the results archive: they go to $OUT/target
+      timeout "${T_TARGET:-560}" python3 -m specla.train target --data data/corpus --out /tmp/target2 \
+        --backend torch --tokenizer '' --init assets/target \
+        --init-summary benchmarks/results/target_training_summary.json ${TARGET_ARGS:-} 2>&1 | tee "$R/log_target.txt"
+      mkdir -p "$OUT/target" && cp /tmp/target2/export/* /tmp/target2/log.jsonl /tmp/target2/summary.json "$OUT/target/" ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "=== stage $stage: $((SECONDS - start)) s"

@@ -297,6 +297,24 @@ def test_target_training_smoke(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [8, 16, 24, 32]
 
+    # A second stage from the export: a fresh optimizer, a step-0 eval, and both stages counted.
+    stage2 = target.TrainConfig(max_steps=8, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=2,
+                                eval_every=4, eval_windows=8, patience=10)
+    summary2 = target.train(corpus, tmp_path / "stage2", target.MODEL_CONFIGS["tiny"], stage2, "torch",
+                            torch.device("cpu"), tokenizer_dir=None, init=tmp_path / "run" / "export",
+                            init_summary=summary)
+    rows2 = [json.loads(line) for line in (tmp_path / "stage2" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows2] == [0, 4, 8]
+    # Step 0 is the export itself: its held-out loss equals the first stage's best (bf16 export).
+    assert rows2[0]["heldout_loss"] == pytest.approx(summary["best_heldout_loss"], abs=0.05)
+    assert summary2["steps"] == 32 + 8 and len(summary2["stages"]) == 2
+    assert summary2["stages"][1]["init_heldout_loss"] == pytest.approx(rows2[0]["heldout_loss"], abs=1e-4)
+    assert "| stage 2 | from stage 1's best weights: 8 steps" in target.render_card(summary2)
+    with pytest.raises(ValueError, match="does not match"):
+        small = dataclasses.replace(target.MODEL_CONFIGS["tiny"], hidden_size=32)
+        target.train(corpus, tmp_path / "bad", small, stage2, "torch", torch.device("cpu"),
+                     tokenizer_dir=None, init=tmp_path / "run" / "export")
+
 
 def test_card_and_command_dispatch(capsys):
     from specla.train import __main__ as cli

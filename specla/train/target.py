@@ -16,6 +16,11 @@ new best. Outputs in --out:
     ckpt/           resumable state (safetensors + JSON, no pickle); `--resume` continues
     export/         the best-held-out weights in the `specla.checkpoint` layout (bf16)
     summary.json    the figures of the model card
+
+`--init FOLDER` starts from an exported checkpoint (fresh optimizer, new warmup and cosine):
+a second stage that continues a finished run, for instance a cool-down at a lower peak lr
+until the held-out loss stops improving. `--init-summary` names the first stage's
+summary.json so that the card counts both stages.
 """
 from __future__ import annotations
 
@@ -225,7 +230,8 @@ def load_ckpt(path: Path, model, optimizer, windows: Windows) -> tuple[dict, dic
 
 def train(data: str | Path, out: str | Path, config: GDNConfig, cfg: TrainConfig,
           backend: str, device: torch.device, tokenizer_dir: str | Path | None = "assets",
-          resume: bool = False, ckpt_dir: str | Path | None = None) -> dict:
+          resume: bool = False, ckpt_dir: str | Path | None = None,
+          init: str | Path | None = None, init_summary: dict | None = None) -> dict:
     from specla.checkpoint import save_model
 
     out = Path(out)
@@ -237,6 +243,8 @@ def train(data: str | Path, out: str | Path, config: GDNConfig, cfg: TrainConfig
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")   # TF32 for whatever autocast leaves in fp32
     model = build_model(config, backend, device)
+    if init is not None and not resume:
+        load_init_weights(model, init)
     model.train()
     optimizer = make_optimizer(model, cfg)
     windows = Windows(data, cfg, device)
@@ -255,6 +263,13 @@ def train(data: str | Path, out: str | Path, config: GDNConfig, cfg: TrainConfig
         print(f"resumed at step {progress['step']} ({progress['elapsed'] / 60:.1f} min trained)")
     elif (out / "log.jsonl").exists():
         (out / "log.jsonl").unlink()   # a fresh run starts a fresh log
+    if init is not None and not resume:
+        # Where the second stage starts from, so the log shows what it gained.
+        progress["init_heldout"] = evaluate(model, windows, backend, autocast)
+        with open(out / "log.jsonl", "a") as log0:
+            log0.write(json.dumps({"step": 0, "tokens": 0, "train_loss": None,
+                                   "heldout_loss": round(progress["init_heldout"], 4),
+                                   "lr": 0.0, "elapsed_s": 0.0, "init": str(init)}) + "\n")
 
     params = sum(p.numel() for p in model.parameters())
     print(f"{backend} backend on {device}: {params / 1e6:.2f}M parameters, "
@@ -333,10 +348,51 @@ def train(data: str | Path, out: str | Path, config: GDNConfig, cfg: TrainConfig
     export = out / "export"
     files = save_model(best_state, config, export, tokenizer_dir=tokenizer_dir or None)
     summary = make_summary(data, config, cfg, backend, device, params, progress, stopped, files, tokens_info)
+    if init is not None:
+        summary = add_stage(summary, init, init_summary, progress.get("init_heldout"))
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"{stopped} after {progress['step']} steps, {progress['elapsed'] / 60:.1f} min: best held-out "
           f"loss {progress['best_heldout']:.4f} (ppl {math.exp(progress['best_heldout']):.2f}) -> {export}")
     return summary
+
+
+def load_init_weights(model: torch.nn.Module, folder: str | Path) -> None:
+    """Copy an exported checkpoint's weights (any dtype) into the freshly built model."""
+    from specla.checkpoint import read_tensors, resolve, weight_files
+
+    state = read_tensors(weight_files(resolve(folder)))
+    own = dict(model.named_parameters())
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    missing = [n for n in own if n not in state and not (tied and n == "lm_head.weight")]
+    wrong = [n for n in own if n in state and tuple(state[n].shape) != tuple(own[n].shape)]
+    if missing or wrong:
+        raise ValueError(f"--init {folder}: does not match the model config "
+                         f"(missing {missing[:3]}, wrong shape {wrong[:3]})")
+    with torch.no_grad():
+        for name, p in own.items():
+            if name in state:
+                p.copy_(state[name].to(p.dtype))
+
+
+def add_stage(summary: dict, init: str | Path, prior: dict | None, init_heldout: float | None) -> dict:
+    """Fold a first stage's figures into a continued run's summary: the card shows totals,
+    `stages` keeps each stage's own."""
+    this = {k: summary[k] for k in ("tokens_seen", "steps", "minutes", "best_heldout_loss",
+                                    "stopped", "train_config")}
+    this.update(init=str(init), init_heldout_loss=init_heldout)
+    stages = list((prior or {}).get("stages") or ([_stage_of(prior)] if prior else [])) + [this]
+    out = dict(summary, stages=stages)
+    if prior:
+        out["tokens_seen"] = prior["tokens_seen"] + summary["tokens_seen"]
+        out["steps"] = prior["steps"] + summary["steps"]
+        out["minutes"] = round(prior["minutes"] + summary["minutes"], 2)
+        out["tokens_per_second"] = round(out["tokens_seen"] / max(out["minutes"] * 60, 1e-9))
+    return out
+
+
+def _stage_of(summary: dict) -> dict:
+    return {k: summary.get(k) for k in ("tokens_seen", "steps", "minutes", "best_heldout_loss",
+                                        "stopped", "train_config")}
 
 
 def _progress_bar(cfg: TrainConfig, initial: int = 0):
@@ -392,6 +448,9 @@ def make_summary(data, config, cfg, backend, device, params, progress, stopped, 
 
 
 def _git_commit() -> str | None:
+    import os
+    if os.environ.get("SPECLA_COMMIT"):   # the GPU machine gets a copy of the tree without .git
+        return os.environ["SPECLA_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip() or None
@@ -413,6 +472,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokenizer", default="assets", help="tokenizer files copied into the export ('' = none)")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--ckpt-dir", default=None, help="default: OUT/ckpt")
+    ap.add_argument("--init", default=None, help="start from this exported checkpoint (a second stage)")
+    ap.add_argument("--init-summary", default=None, help="the first stage's summary.json, for the card")
     ap.add_argument("--minutes", type=float, default=d.minutes)
     ap.add_argument("--max-steps", type=int, default=None)
     ap.add_argument("--batch-size", type=int, default=d.batch_size)
@@ -434,7 +495,8 @@ def main(argv: list[str] | None = None) -> None:
                       patience=args.patience, ckpt_minutes=args.ckpt_minutes,
                       precision=args.precision, seed=args.seed)
     train(args.data, args.out, MODEL_CONFIGS[args.config], cfg, backend, device,
-          tokenizer_dir=args.tokenizer, resume=args.resume, ckpt_dir=args.ckpt_dir)
+          tokenizer_dir=args.tokenizer, resume=args.resume, ckpt_dir=args.ckpt_dir, init=args.init,
+          init_summary=json.loads(Path(args.init_summary).read_text()) if args.init_summary else None)
 
 
 # ---------------------------------------------------------------------------- model card
@@ -474,7 +536,7 @@ artefact, not a code assistant.
 | tokens seen | {tokens} ({epochs} passes over the training split) |
 | steps | {steps} x {batch} windows of {seq} tokens |
 | optimiser | AdamW (betas {betas}, weight decay {wd}), peak lr {lr}, {warmup} warmup steps, cosine to {min_lr}x |
-| time | {minutes} minutes on {device} ({tps} tokens/s), stopped by: {stopped} |
+| time | {minutes} minutes on {device} ({tps} tokens/s), stopped by: {stopped} |{stage_rows}
 | software | {software} |
 | final train loss | {train_loss} |
 | best held-out loss | {heldout_loss} (perplexity {ppl}, {bpb} bits per byte) at step {best_step} |
@@ -594,8 +656,23 @@ def render_card(summary: dict | None, manifest: dict | None = None) -> str:
         best_step=fmt(s.get("best_step"), ",", "?"), split_rows=rows or "| pending | | | | |",
         groups=groups or pending, packages=packages or pending,
         python=manifest.get("python", "?"), budget=tc["minutes"],
+        stage_rows=_stage_rows(s.get("stages") or []),
         commit=f"\nTrained from commit `{s['git_commit']}`.\n" if s.get("git_commit") else "",
         train_mtok=fmt(train_tokens / 1e6 if train_tokens else None, ".1f", "?"))
+
+
+def _stage_rows(stages: list[dict]) -> str:
+    """One card row per training stage when a run continued an earlier one."""
+    if len(stages) < 2:
+        return ""
+    rows = []
+    for i, st in enumerate(stages, 1):
+        tc = st.get("train_config") or {}
+        start = "from scratch" if not st.get("init") else f"from stage {i - 1}'s best weights"
+        rows.append(f"\n| stage {i} | {start}: {st['steps']:,} steps, {st['tokens_seen']:,} tokens, "
+                    f"{st['minutes']:.1f} min, peak lr {tc.get('lr')}, best held-out loss "
+                    f"{st['best_heldout_loss']:.4f}; stopped by: {st['stopped']} |")
+    return "".join(rows)
 
 
 def card_main(argv: list[str] | None = None) -> None:
