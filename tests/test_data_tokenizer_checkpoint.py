@@ -310,6 +310,14 @@ def test_target_training_smoke(tmp_path):
     assert summary2["steps"] == 32 + 8 and len(summary2["stages"]) == 2
     assert summary2["stages"][1]["init_heldout_loss"] == pytest.approx(rows2[0]["heldout_loss"], abs=1e-4)
     assert "| stage 2 | from stage 1's best weights: 8 steps" in target.render_card(summary2)
+    # The starting weights compete for best: with lr 0 nothing changes and they are exported.
+    frozen = dataclasses.replace(stage2, lr=0.0)
+    summary3 = target.train(corpus, tmp_path / "stage3", target.MODEL_CONFIGS["tiny"], frozen, "torch",
+                            torch.device("cpu"), tokenizer_dir=None, init=tmp_path / "run" / "export")
+    assert summary3["best_step"] == 0
+    start, _, _ = load_model(tmp_path / "run" / "export")
+    end, _, _ = load_model(tmp_path / "stage3" / "export")
+    assert all(torch.equal(a, b) for a, b in zip(start.state_dict().values(), end.state_dict().values()))
     with pytest.raises(ValueError, match="does not match"):
         small = dataclasses.replace(target.MODEL_CONFIGS["tiny"], hidden_size=32)
         target.train(corpus, tmp_path / "bad", small, stage2, "torch", torch.device("cpu"),

@@ -264,8 +264,11 @@ def train(data: str | Path, out: str | Path, config: GDNConfig, cfg: TrainConfig
     elif (out / "log.jsonl").exists():
         (out / "log.jsonl").unlink()   # a fresh run starts a fresh log
     if init is not None and not resume:
-        # Where the second stage starts from, so the log shows what it gained.
+        # Where the second stage starts from, so the log shows what it gained. The starting
+        # weights compete for "best": a stage that only overfits exports them unchanged.
         progress["init_heldout"] = evaluate(model, windows, backend, autocast)
+        progress.update(best_heldout=progress["init_heldout"], best_step=0)
+        best_state = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
         with open(out / "log.jsonl", "a") as log0:
             log0.write(json.dumps({"step": 0, "tokens": 0, "train_loss": None,
                                    "heldout_loss": round(progress["init_heldout"], 4),
