@@ -589,8 +589,104 @@ def load_pair(device, quick: bool, limit: int | None, drafters_dir: Path | None 
                                                    "drafter_notes": notes}), None
 
 
+DEVICE_LABEL = "chain (device-graphed)"
+
+
+class PairReference:
+    """The AR side of every pair row, per prompt and feature layers: the prefill (the drafters'
+    features included), AR's greedy tokens and median ms/token (GraphedAR, this process), and
+    the speculative-vs-AR logit noise (measured once) that excuses bf16 near-tie flips."""
+
+    def __init__(self, rt, ar, prompts: list[list[int]], n: int, recurrence: str = "kernels"):
+        self.rt, self.ar, self.prompts, self.n, self.recurrence = rt, ar, prompts, n, recurrence
+        self.cache: dict = {}
+        self._noise: float | None = None
+
+    def __call__(self, i: int, feature_layers) -> tuple:
+        """(prefill, AR tokens, AR ms/token) of prompt i."""
+        key = (i, tuple(feature_layers))
+        if key not in self.cache:
+            prompt, n = self.prompts[i], self.n
+            pre = self.rt.prefill(prompt, tuple(feature_layers))
+            self.ar.timed_generate(pre[0], prompt[-1], n)                   # warm
+            runs = [self.ar.timed_generate(pre[0], prompt[-1], n) for _ in range(3)]
+            self.cache[key] = (pre, runs[0][0], statistics.median(ms for _, ms in runs) / n)
+        return self.cache[key]
+
+    def noise(self, i: int, feature_layers) -> float:
+        if self._noise is None:
+            from specla import cuda_graphs as cg
+
+            pre, ref, _ = self(i, feature_layers)
+            self._noise = cg.spec_vs_ar_noise(self.rt, self.ar, pre[0], self.prompts[i][-1], ref, 16,
+                                              self.recurrence)
+        return self._noise
+
+
+def device_chain_row(rt, drafter, settings, prompts: list[list[int]], n: int, ref: PairReference,
+                     recurrence: str = "kernels") -> dict:
+    """A trained block / LiLiCorr drafter drafting greedy chains on the device, inside the
+    step graph (`specla.device_drafter`): each prompt decoded once to warm (the first only)
+    and once timed against AR's tokens, then its steps replayed phase by phase for the GPU
+    split (verify / accept + commit / draft)."""
+    from specla.device_drafter import DeviceDraftDecoder
+
+    dec = DeviceDraftDecoder(rt, drafter, settings, capacity=n + settings.block_size + 8,
+                             recurrence=recurrence, split_graphs=True)
+    noise = ref.noise(0, dec.feature_layers)
+    ar_ms, spec_ms, step_ms, readbacks, divs = [], [], [], [], []
+    tokens, steps, split = 0, 0, {}
+    for i, prompt in enumerate(prompts):
+        pre, want, t_ar = ref(i, dec.feature_layers)
+        if i == 0:
+            dec.generate(prompt, n, prefilled=pre)                     # warm-up
+        run = dec.generate(prompt, n, reference=want, prefilled=pre)
+        ar_ms.append(t_ar)
+        spec_ms.append(run.ms / len(run.tokens))
+        step_ms.append(run.ms / run.steps)
+        readbacks.append(dec.readbacks)
+        tokens, steps = tokens + len(run.tokens), steps + run.steps
+        for k, v in dec.phase_split(prompt, pre, run.steps).items():
+            split[k] = split.get(k, 0.0) + v * run.steps
+        if run.divergence:
+            divs.append({"prompt": i, **run.divergence, "excused": run.divergence["gap"] <= 2 * noise})
+    t_ar, t_spec = statistics.median(ar_ms), statistics.median(spec_ms)
+    tau = tokens / steps
+    split = {k: v / steps for k, v in split.items()}
+    gpu_step = sum(split.values())
+    return {"tokens": tokens, "target_forwards": steps, "tau": tau,
+            "ms_per_token": stat(spec_ms), "tokens_per_s": stat([1e3 / x for x in spec_ms]),
+            "ar_ms_per_token": stat(ar_ms), "speedup": t_ar / t_spec,
+            # bound: the speedup if drafting, acceptance and commit cost nothing (verify only)
+            "bound": tau * t_ar / split["verify"],
+            "step_ms": stat(step_ms), "gpu_step_ms": gpu_step,
+            # the phases as separate graphs; what the one-graph step spends beyond them
+            # (launch, the few counter reads) is the rest of the measured step
+            "time_split_ms_per_step": {**split, "launch_and_readbacks": statistics.median(step_ms) - gpu_step},
+            "readbacks_per_decode": stat(readbacks), "graphs": 2, "capture_ms": dec.capture_ms,
+            "exact": {"prompts": len(prompts), "diverging_prompts": len(divs),
+                      "unexcused": sum(not d["excused"] for d in divs), "divergences": divs,
+                      "excuse_threshold": 2 * noise}}
+
+
+def device_head_share(rows: list[dict]) -> dict:
+    """The LiLiCorr head's share of a graphed step: the LiLiCorr chain step against the block
+    chain step (same block pass and verification; the head is the difference)."""
+    by = {r.get("drafter"): r for r in rows if r.get("settings") == DEVICE_LABEL and "step_ms" in r}
+    if "lilicorr" not in by or "block" not in by:
+        return {"skipped": f"needs both measured {DEVICE_LABEL} rows (have: {sorted(by)})"}
+    lil, blk = by["lilicorr"], by["block"]
+    l_ms, b_ms = lil["step_ms"]["median"], blk["step_ms"]["median"]
+    l_draft, b_draft = (r["time_split_ms_per_step"]["draft"] for r in (lil, blk))
+    return {"lilicorr_step_ms": l_ms, "block_step_ms": b_ms,
+            "head_share_of_graphed_step": (l_ms - b_ms) / l_ms,
+            "lilicorr_draft_ms": l_draft, "block_draft_ms": b_draft,
+            "head_share_of_gpu_step": (l_draft - b_draft) / lil["gpu_step_ms"]}
+
+
 def e2e_pair_gpu(args, res: Results, deadline: Deadline) -> dict:
-    """The embedded target with each trained drafter: drafting eager between graph replays."""
+    """The embedded target with each trained drafter: first block and LiLiCorr chains drafted
+    on the device inside the step graph, then every drafter eager between graph replays."""
     from specla import cuda_graphs as cg
 
     loaded, skip = load_pair(args.device, args.quick, args.prompts, args.drafters)
@@ -606,20 +702,30 @@ def e2e_pair_gpu(args, res: Results, deadline: Deadline) -> dict:
     rt = cg.Runtime(target, args.ops)
     out["ops"] = rt.ops_note
     ar = cg.GraphedAR(rt, max_len=n + 64)
-    prefilled = {}
     # the pair's own budget starts after the set-up (its Triton compiles are not a variant)
     deadline = Deadline(min(deadline.left(), args.pair_budget))
+    ar_for = PairReference(rt, ar, prompts, n, args.recurrence)
 
-    def ar_for(i, feature_layers):
-        key = (i, tuple(feature_layers))
-        if key not in prefilled:
-            pre = rt.prefill(prompts[i], tuple(feature_layers))
-            ar.timed_generate(pre[0], prompts[i][-1], n)                   # warm
-            runs = [ar.timed_generate(pre[0], prompts[i][-1], n) for _ in range(3)]
-            prefilled[key] = (pre, runs[0][0], statistics.median(ms for _, ms in runs) / n)
-        return prefilled[key]
-
-    noise = None
+    # the device-graphed chains first: they are what a 13M target can gain from
+    for kind in ("lilicorr", "block"):
+        if kind not in drafters:
+            continue
+        settings = dict(drafter_settings(kind, drafters[kind]))["chain"]
+        row = {"name": f"{kind}/{DEVICE_LABEL}", "kind": "drafter", "drafter": kind,
+               "settings": DEVICE_LABEL, "draft_settings": dataclasses.asdict(settings)}
+        if not deadline.ok(30):
+            out["rows"].append({**row, "skipped": "deadline"})
+            continue
+        guarded(row, "result", device_chain_row, rt, drafters[kind], settings, prompts, n, ar_for,
+                args.recurrence)
+        if isinstance(row["result"], dict) and "error" not in row["result"]:
+            row.update(row.pop("result"))
+            print(f"[e2e] {row['name']}: tau {row['tau']:.2f}, {row['ms_per_token']['median']:.3f} ms/token, "
+                  f"speedup {row['speedup']:.2f}x", flush=True)
+        out["rows"].append(row)
+        res.save()
+    guarded(out, "lilicorr_head_device", device_head_share, out["rows"])
+    res.save()
     # LiLiCorr first (its head cost is measured after its rows), EAGLE last: its eager tree
     # drafting is the slowest, the deadline should cut it first
     for kind, drafter in sorted(drafters.items(), key=lambda item: (item[0] == "eagle", item[0] != "lilicorr")):
@@ -631,15 +737,13 @@ def e2e_pair_gpu(args, res: Results, deadline: Deadline) -> dict:
                    "draft_settings": dataclasses.asdict(settings)}
 
             def measure():
-                nonlocal noise
                 max_path = cg.max_path_for(settings.budget)
                 dec = cg.GraphedDecoder(rt, drafter, settings, max_path=max_path, capacity=n + max_path + 8,
                                         recurrence=args.recurrence)
                 ar_ms, spec_ms, tokens, steps, divs, phases = [], [], 0, 0, [], {}
                 for i in range(len(prompts)):
                     pre, ref, t_ar = ar_for(i, drafter.feature_layers)
-                    if noise is None:
-                        noise = cg.spec_vs_ar_noise(rt, ar, pre[0], prompts[i][-1], ref, 16, args.recurrence)
+                    noise = ar_for.noise(i, drafter.feature_layers)
                     if i == 0:
                         dec.generate(prompts[i], n, prefilled=pre)        # warm-up: captures, compiles
                     run = dec.generate(prompts[i], n, reference=ref, prefilled=pre)
@@ -1039,7 +1143,7 @@ def _md_e2e(e: dict) -> list[str]:
                     name = r.get('name') or f"{r.get('drafter')}/{r.get('settings')}"
                     lines.append(f"| {name} | {r.get('alpha', '')} | {r.get('skipped') or (r.get('result') or {}).get('error', '')} | | | | | |")
                     continue
-                split = ", ".join(f"{k} {v:.2f}" for k, v in r["time_split_ms_per_step"].items())
+                split = ", ".join(f"{k} {v:.3f}" for k, v in r["time_split_ms_per_step"].items())
                 ex = r["exact"]
                 bad = ex.get("mismatching_prompts", ex.get("unexcused"))
                 lines.append(f"| {r['name']} | {r.get('alpha', '')} | {r['tau']:.2f} | {fmt(r['ms_per_token'])} | "
@@ -1051,6 +1155,13 @@ def _md_e2e(e: dict) -> list[str]:
                           f"{fmt(head['head_graph_ms'])} ms; block pass {fmt(head['block_pass_graph_ms'])} ms; "
                           f"share of a fully graphed step {num(head.get('head_share_of_graphed_step'))}, "
                           f"of the measured step {num(head.get('head_graph_share_of_measured_step'))}."]
+            dev = p.get("lilicorr_head_device") or {}
+            if "head_share_of_graphed_step" in dev:
+                lines += ["", f"LiLiCorr head inside the device-graphed step: LiLiCorr chain step "
+                          f"{num(dev['lilicorr_step_ms'])} ms, block chain step {num(dev['block_step_ms'])} ms, "
+                          f"head share {num(dev['head_share_of_graphed_step'])} (from the GPU draft "
+                          f"phases, {num(dev['lilicorr_draft_ms'])} vs {num(dev['block_draft_ms'])} ms: "
+                          f"{num(dev['head_share_of_gpu_step'])} of the GPU step)."]
             lines.append("")
     return lines
 

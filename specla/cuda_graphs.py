@@ -14,7 +14,8 @@ every speedup run here as captured graphs over static buffers allocated once:
   the static state (the previous step's deferred commit folded in by the verifier), greedy
   acceptance with tensor ops, the accepted path's factors copied into pending buffers padded
   to the longest path (a padded entry k=0, delta=0, g=0 is an exact no-op), and, with the
-  `DeviceOracle`, the next draft: a whole decode then needs no host work at all.
+  `DeviceOracle` or a device drafter (`specla.device_drafter`), the next draft: a whole
+  decode then needs no host work at all.
 * fla baselines: fla's own `GatedDeltaNetForCausalLM` eager with its cache (`FlaAR.eager_*`)
   and the same model captured in one graph with a static cache (`FlaAR.capture`).
 
@@ -947,18 +948,26 @@ class GraphedSpec:
 
     Phases (each also captured alone, so their GPU time can be measured with events between
     replays): `verify` (tree forward; folds the pending commit), `accept` (greedy acceptance,
-    commit or defer, conv window, bookkeeping), `draft` (device oracle, if any). `step()`
-    replays all three as one graph.
+    commit or defer, conv window, bookkeeping), `draft` (the device oracle, or a device-resident
+    `drafter` such as `specla.device_drafter.DeviceChainDrafter`, if any). `step()` replays all
+    three as one graph.
+
+    A `drafter` is any object with `draft(spec)`, which reads this step's `result` and
+    `features` and writes the next step's `tokens[0, 1:]` with tensor ops only; its static
+    buffers (`buffers()`, if it has that method) are restored after each capture's warm-up.
     """
 
     @torch.no_grad()
     def __init__(self, rt: Runtime, state: SpecState, tree: DraftTree, mode: str = "auto",
                  deferred: bool = True, oracle: DeviceOracle | None = None,
                  feature_layers: tuple[int, ...] = (), use_graph: bool | None = None,
-                 recurrence: str = "kernels", split_graphs: bool = False, dynamic: bool = False):
+                 recurrence: str = "kernels", split_graphs: bool = False, dynamic: bool = False,
+                 drafter=None):
         from specla.verify import resolve_mode
 
-        self.rt, self.state, self.oracle = rt, state, oracle
+        if oracle is not None and drafter is not None:
+            raise ValueError("a speculative step drafts with the device oracle or a device drafter, not both")
+        self.rt, self.state, self.oracle, self.drafter = rt, state, oracle, drafter
         self.deferred, self.feature_layers, self.recurrence = deferred, tuple(feature_layers), recurrence
         self.topo = SpecTopology(tree, rt.config.conv_size, state.max_path, rt.device)
         self.mode = resolve_mode(mode, self.topo.model_topo, rt.device.type)
@@ -981,7 +990,8 @@ class GraphedSpec:
         if self.use_graph:
             self._capture("step")
             if split_graphs:
-                for phase in ("verify", "accept") + (("draft",) if oracle is not None else ()):
+                drafts = oracle is not None or drafter is not None
+                for phase in ("verify", "accept") + (("draft",) if drafts else ()):
                     self._capture(phase)
 
     # ---- phases
@@ -1057,7 +1067,9 @@ class GraphedSpec:
         self.result.copy_(torch.cat([a, end, bonus, path]))
 
     def draft(self) -> None:
-        if self.oracle is not None:
+        if self.drafter is not None:
+            self.drafter.draft(self)
+        elif self.oracle is not None:
             self.oracle.draft(self.tokens, self.topo, self.state.pos, self.state.step)
 
     def _body(self, phase: str) -> Callable[[], None]:
@@ -1066,10 +1078,13 @@ class GraphedSpec:
 
     def _capture(self, phase: str) -> None:
         t0 = time.perf_counter()
+        # the warm-up runs the body for real: every static buffer it writes is put back
+        extra = [self.tokens] + list(getattr(self.drafter, "buffers", list)())
         with self.state.preserved():
-            saved_tokens = self.tokens.clone()
+            saved = [t.clone() for t in extra]
             self.graphs[phase] = capture(self._body(phase))
-            self.tokens.copy_(saved_tokens)
+            for t, s in zip(extra, saved):
+                t.copy_(s)
         self.capture_ms += 1e3 * (time.perf_counter() - t0)
 
     # ---- running

@@ -133,3 +133,47 @@ def test_lilicorr_head_share_is_its_time_over_the_step(tmp_path):
     assert head_ms > 0 and math.isclose(cost["head_eager_share_of_measured_step"], head_ms / 6.0)
     assert "head_graph_ms" not in cost                   # graphs only on CUDA
     assert bench.lilicorr_head_overhead(drafter, [])["skipped"]
+
+
+def test_device_graphed_rows_and_head_share():
+    """The device-graphed chain rows of the GPU pair suite, run eagerly on a tiny random pair:
+    the derived numbers follow from the measured ones, the output is exact, the head share is
+    the step difference over the LiLiCorr step, and the report renders the rows."""
+    import torch
+
+    from specla import cuda_graphs as cg
+    from specla.drafters import new_drafter
+    from tests.helpers import random_target
+
+    target = random_target()
+    rt = cg.Runtime(target)
+    n, prompts = 16, [bench.random_prompt(128, 10, s) for s in range(2)]
+    ref = bench.PairReference(rt, cg.GraphedAR(rt, max_len=n + 16), prompts, n)
+    rows = []
+    for kind in ("lilicorr", "block"):
+        torch.manual_seed(1)
+        kw = {"head": {"width": 32, "heads": 2, "layers": 1, "mlp_hidden": 64}} if kind == "lilicorr" else {}
+        drafter = new_drafter(kind, target, feature_layers=(0, 1), block_size=4, top_k=4, width=32,
+                              heads=2, layers=1, mlp_hidden=64, window=8, **kw)
+        settings = dict(bench.drafter_settings(kind, drafter))["chain"]
+        row = {"name": f"{kind}/{bench.DEVICE_LABEL}", "kind": "drafter", "drafter": kind,
+               "settings": bench.DEVICE_LABEL,
+               **bench.device_chain_row(rt, drafter, settings, prompts, n, ref)}
+        assert row["exact"]["diverging_prompts"] == 0, row["exact"]
+        assert row["tokens"] >= n * len(prompts)
+        assert math.isclose(row["tau"], row["tokens"] / row["target_forwards"])
+        assert math.isclose(row["speedup"], row["ar_ms_per_token"]["median"] / row["ms_per_token"]["median"])
+        split = row["time_split_ms_per_step"]
+        assert {"verify", "accept_commit", "draft", "launch_and_readbacks"} <= set(split)
+        assert math.isclose(row["gpu_step_ms"], split["verify"] + split["accept_commit"] + split["draft"])
+        assert math.isclose(row["bound"], row["tau"] * row["ar_ms_per_token"]["median"] / split["verify"])
+        rows.append(row)
+    share = bench.device_head_share(rows)
+    l_ms, b_ms = share["lilicorr_step_ms"], share["block_step_ms"]
+    assert l_ms == rows[0]["step_ms"]["median"] and b_ms == rows[1]["step_ms"]["median"]
+    assert math.isclose(share["head_share_of_graphed_step"], (l_ms - b_ms) / l_ms)
+    assert bench.device_head_share(rows[1:])["skipped"]
+    report = "\n".join(bench._md_e2e({"pair": {"prompts": 2, "new_tokens": n, "rows": rows,
+                                               "lilicorr_head_device": share}}))
+    assert f"lilicorr/{bench.DEVICE_LABEL}" in report and f"block/{bench.DEVICE_LABEL}" in report
+    assert "LiLiCorr head inside the device-graphed step" in report
