@@ -42,14 +42,20 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--drafters", default=str(ROOT / "assets" / "drafters"),
+                    help="folder with one sub-folder per drafter kind")
+    ap.add_argument("--only", default=None, help="comma-separated drafter:tree:top_k:budget rows to run")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model, tokenizer, _ = load_model(ROOT / "assets" / "target")
     prompts = read_prompts(args.prompts, args.limit)
     tokenize = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     rows = []
-    for kind, tree, top_k, budget in CONFIGS:
-        drafter = load_drafter(ROOT / "assets" / "drafters" / kind, model)
+    configs = CONFIGS
+    if args.only:
+        configs = [(k, t, int(top), int(b)) for k, t, top, b in (c.split(":") for c in args.only.split(","))]
+    for kind, tree, top_k, budget in configs:
+        drafter = load_drafter(Path(args.drafters) / kind, model)
         settings = DraftSettings(tree=tree, top_k=top_k, budget=budget, block_size=8, depth=6)
         start = time.perf_counter()
         result = measure_acceptance(model, tokenize, prompts, drafter, settings, args.max_new_tokens)
