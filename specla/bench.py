@@ -590,6 +590,7 @@ def load_pair(device, quick: bool, limit: int | None, drafters_dir: Path | None 
 
 
 DEVICE_LABEL = "chain (device-graphed)"
+COMPILED_LABEL = "chain (device-graphed, compiled)"   # the draft's ops fused by torch.compile
 
 
 class PairReference:
@@ -624,7 +625,7 @@ class PairReference:
 
 
 def device_chain_row(rt, drafter, settings, prompts: list[list[int]], n: int, ref: PairReference,
-                     recurrence: str = "kernels") -> dict:
+                     recurrence: str = "kernels", compile: bool = False) -> dict:
     """A trained block / LiLiCorr drafter drafting greedy chains on the device, inside the
     step graph (`specla.device_drafter`): each prompt decoded once to warm (the first only)
     and once timed against AR's tokens, then its steps replayed phase by phase for the GPU
@@ -632,7 +633,7 @@ def device_chain_row(rt, drafter, settings, prompts: list[list[int]], n: int, re
     from specla.device_drafter import DeviceDraftDecoder
 
     dec = DeviceDraftDecoder(rt, drafter, settings, capacity=n + settings.block_size + 8,
-                             recurrence=recurrence, split_graphs=True)
+                             recurrence=recurrence, split_graphs=True, compile=compile)
     noise = ref.noise(0, dec.feature_layers)
     ar_ms, spec_ms, step_ms, readbacks, divs = [], [], [], [], []
     tokens, steps, split = 0, 0, {}
@@ -669,12 +670,12 @@ def device_chain_row(rt, drafter, settings, prompts: list[list[int]], n: int, re
                       "excuse_threshold": 2 * noise}}
 
 
-def device_head_share(rows: list[dict]) -> dict:
+def device_head_share(rows: list[dict], label: str = DEVICE_LABEL) -> dict:
     """The LiLiCorr head's share of a graphed step: the LiLiCorr chain step against the block
     chain step (same block pass and verification; the head is the difference)."""
-    by = {r.get("drafter"): r for r in rows if r.get("settings") == DEVICE_LABEL and "step_ms" in r}
+    by = {r.get("drafter"): r for r in rows if r.get("settings") == label and "step_ms" in r}
     if "lilicorr" not in by or "block" not in by:
-        return {"skipped": f"needs both measured {DEVICE_LABEL} rows (have: {sorted(by)})"}
+        return {"skipped": f"needs both measured {label} rows (have: {sorted(by)})"}
     lil, blk = by["lilicorr"], by["block"]
     l_ms, b_ms = lil["step_ms"]["median"], blk["step_ms"]["median"]
     l_draft, b_draft = (r["time_split_ms_per_step"]["draft"] for r in (lil, blk))
@@ -707,17 +708,18 @@ def e2e_pair_gpu(args, res: Results, deadline: Deadline) -> dict:
     ar_for = PairReference(rt, ar, prompts, n, args.recurrence)
 
     # the device-graphed chains first: they are what a 13M target can gain from
-    for kind in ("lilicorr", "block"):
-        if kind not in drafters:
-            continue
+    variants = [(kind, compiled) for compiled in (False, True) for kind in ("lilicorr", "block")
+                if kind in drafters and (not compiled or getattr(args, "compile_drafter", False))]
+    for kind, compiled in variants:
         settings = dict(drafter_settings(kind, drafters[kind]))["chain"]
-        row = {"name": f"{kind}/{DEVICE_LABEL}", "kind": "drafter", "drafter": kind,
-               "settings": DEVICE_LABEL, "draft_settings": dataclasses.asdict(settings)}
+        label = COMPILED_LABEL if compiled else DEVICE_LABEL
+        row = {"name": f"{kind}/{label}", "kind": "drafter", "drafter": kind,
+               "settings": label, "draft_settings": dataclasses.asdict(settings)}
         if not deadline.ok(30):
             out["rows"].append({**row, "skipped": "deadline"})
             continue
         guarded(row, "result", device_chain_row, rt, drafters[kind], settings, prompts, n, ar_for,
-                args.recurrence)
+                args.recurrence, compiled)
         if isinstance(row["result"], dict) and "error" not in row["result"]:
             row.update(row.pop("result"))
             print(f"[e2e] {row['name']}: tau {row['tau']:.2f}, {row['ms_per_token']['median']:.3f} ms/token, "
@@ -725,7 +727,11 @@ def e2e_pair_gpu(args, res: Results, deadline: Deadline) -> dict:
         out["rows"].append(row)
         res.save()
     guarded(out, "lilicorr_head_device", device_head_share, out["rows"])
+    if getattr(args, "compile_drafter", False):
+        guarded(out, "lilicorr_head_device_compiled", device_head_share, out["rows"], COMPILED_LABEL)
     res.save()
+    if getattr(args, "device_rows_only", False):
+        return "ok"
     # LiLiCorr first (its head cost is measured after its rows), EAGLE last: its eager tree
     # drafting is the slowest, the deadline should cut it first
     for kind, drafter in sorted(drafters.items(), key=lambda item: (item[0] == "eagle", item[0] != "lilicorr")):
@@ -1155,13 +1161,15 @@ def _md_e2e(e: dict) -> list[str]:
                           f"{fmt(head['head_graph_ms'])} ms; block pass {fmt(head['block_pass_graph_ms'])} ms; "
                           f"share of a fully graphed step {num(head.get('head_share_of_graphed_step'))}, "
                           f"of the measured step {num(head.get('head_graph_share_of_measured_step'))}."]
-            dev = p.get("lilicorr_head_device") or {}
-            if "head_share_of_graphed_step" in dev:
-                lines += ["", f"LiLiCorr head inside the device-graphed step: LiLiCorr chain step "
-                          f"{num(dev['lilicorr_step_ms'])} ms, block chain step {num(dev['block_step_ms'])} ms, "
-                          f"head share {num(dev['head_share_of_graphed_step'])} (from the GPU draft "
-                          f"phases, {num(dev['lilicorr_draft_ms'])} vs {num(dev['block_draft_ms'])} ms: "
-                          f"{num(dev['head_share_of_gpu_step'])} of the GPU step)."]
+            for key, how in (("lilicorr_head_device", "device-graphed"),
+                             ("lilicorr_head_device_compiled", "device-graphed, compiled")):
+                dev = p.get(key) or {}
+                if "head_share_of_graphed_step" in dev:
+                    lines += ["", f"LiLiCorr head inside the {how} step: LiLiCorr chain step "
+                              f"{num(dev['lilicorr_step_ms'])} ms, block chain step {num(dev['block_step_ms'])} ms, "
+                              f"head share {num(dev['head_share_of_graphed_step'])} (from the GPU draft "
+                              f"phases, {num(dev['lilicorr_draft_ms'])} vs {num(dev['block_draft_ms'])} ms: "
+                              f"{num(dev['head_share_of_gpu_step'])} of the GPU step)."]
             lines.append("")
     return lines
 
@@ -1244,6 +1252,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="verifier inside the speculative graphs (kernels: kernels/triton_verify)")
     p.add_argument("--pair-budget", type=float, default=150.0,
                    help="seconds for the embedded pair within the CUDA e2e suite (default 150)")
+    p.add_argument("--compile-drafter", action="store_true",
+                   help="e2e pair: also the device-graphed chains with the draft fused by torch.compile")
+    p.add_argument("--device-rows-only", action="store_true",
+                   help="e2e pair: only the device-graphed chains, not the eager-drafter rows")
     p.add_argument("--pair-only", action="store_true",
                    help="e2e on CUDA: the embedded pair only, not the 1.3B oracle sweep")
     p.add_argument("--render", action="store_true", help="only rewrite report.md/html from --out")

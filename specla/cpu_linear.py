@@ -48,7 +48,8 @@ def _packed(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), through packed oneDNN weights at fp32 CPU inference."""
-    if (not _ENABLED or torch.is_grad_enabled() or x.device.type != "cpu"
+    # under torch.compile, F.linear: inductor picks (and packs) its own kernels
+    if (not _ENABLED or torch.is_grad_enabled() or torch.compiler.is_compiling() or x.device.type != "cpu"
             or x.dtype != torch.float32 or weight.dtype != torch.float32):
         return F.linear(x, weight, bias)
     return _OP(x.contiguous(), _packed(weight), bias, "none", [], "")

@@ -49,7 +49,7 @@ class DeviceChainDrafter:
     """
 
     def __init__(self, drafter: BlockDrafter, block_size: int | None = None, top_k: int | None = None,
-                 budget: int | None = None):
+                 budget: int | None = None, compile: bool = False):
         net, c = drafter.net, drafter.net.config
         self.net, self.parts, self.feature_layers = net, drafter.parts, tuple(drafter.feature_layers)
         block_size = block_size or c.block_size
@@ -72,15 +72,22 @@ class DeviceChainDrafter:
         self.kv = [(torch.zeros(W, heads, hd, device=dev, dtype=w.dtype),
                     torch.zeros(W, heads, hd, device=dev, dtype=w.dtype)) for _ in net.layers]
         self.arange_w = torch.arange(W, device=dev)
+        # Inside a CUDA graph every kernel still costs ~2 us, and a draft is a few hundred small
+        # ones: torch.compile fuses them (compiled on the first, uncaptured call; the graph then
+        # replays the generated kernels). Same math; fused kernels may round differently.
+        self.compiled = compile
+        self._observe_rows = torch.compile(self._observe_rows, dynamic=False) if compile else self._observe_rows
+        self._chain = torch.compile(self.chain_tokens, dynamic=False) if compile else self.chain_tokens
 
     @classmethod
-    def from_settings(cls, drafter: BlockDrafter, settings: DraftSettings) -> "DeviceChainDrafter":
+    def from_settings(cls, drafter: BlockDrafter, settings: DraftSettings,
+                      compile: bool = False) -> "DeviceChainDrafter":
         """The device twin of `drafter.propose` for these (greedy chain) settings."""
         settings.validate(drafter.parts.vocab_size)
         if settings.tree != "chain" or settings.temperature > 0 or settings.prune_tau is not None:
             raise ValueError("the device drafter drafts greedy chains only (tree='chain', "
                              "temperature 0, no pruning)")
-        return cls(drafter, settings.block_size, settings.top_k, settings.budget)
+        return cls(drafter, settings.block_size, settings.top_k, settings.budget, compile)
 
     def tree(self) -> DraftTree:
         """The topology of every step's draft (root + `length` drafted slots)."""
@@ -115,8 +122,11 @@ class DeviceChainDrafter:
     def observe(self, spec: cg.GraphedSpec) -> None:
         """Append the rows of the path `spec` just accepted (root included, a+1 rows) to the
         window, with static shapes: all P path rows are fused, the index picks the right ones."""
-        a, path = spec.result[:1], spec.result[3:]
-        rows = self.net.fuse(spec.features.index_select(0, path))            # [P, width]
+        self._observe_rows(spec.result, spec.features)
+
+    def _observe_rows(self, result: torch.Tensor, features: torch.Tensor) -> None:
+        a, path = result[:1], result[3:]
+        rows = self.net.fuse(features.index_select(0, path))                 # [P, width]
         idx = a + 1 + self.arange_w                                          # rows a+1 .. a+W
         self.ctx.copy_(torch.cat([self.ctx, rows]).index_select(0, idx))
         fresh = torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
@@ -153,7 +163,7 @@ class DeviceChainDrafter:
 
     def propose(self, spec: cg.GraphedSpec) -> None:
         """Draft the next chain after the spec's root into `spec.tokens[0, 1:]`."""
-        spec.tokens[0, 1:1 + self.length].copy_(self.chain_tokens(spec.state.root))
+        spec.tokens[0, 1:1 + self.length].copy_(self._chain(spec.state.root))
 
     def draft(self, spec: cg.GraphedSpec) -> None:
         """`GraphedSpec`'s draft phase, right after `accept`: learn the accepted path, draft."""
@@ -168,9 +178,9 @@ class DeviceDraftDecoder:
 
     def __init__(self, rt: cg.Runtime, drafter: BlockDrafter, settings: DraftSettings, capacity: int,
                  deferred: bool = True, use_graph: bool | None = None, recurrence: str = "kernels",
-                 split_graphs: bool = False):
+                 split_graphs: bool = False, compile: bool = False):
         self.rt, self.settings = rt, settings
-        self.drafter = DeviceChainDrafter.from_settings(drafter, settings)
+        self.drafter = DeviceChainDrafter.from_settings(drafter, settings, compile)
         self.feature_layers = self.drafter.feature_layers
         tree = self.drafter.tree()
         self.state = cg.SpecState(rt, max_path=len(tree), capacity=capacity)

@@ -329,3 +329,34 @@ def test_trained_pair_bf16_graphed(kind):
         graphed, _ = graphed_and_eager(rt, drafter, settings, prompt, n, want, noise)
         tokens, steps = tokens + len(graphed.tokens), steps + graphed.steps
     assert tokens / steps > 1.4, f"tau {tokens / steps:.2f}: the trained {kind} drafter barely drafts"
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_compiled_device_drafter_graphed_equals_graphed_ar(kind):
+    """torch.compile'd drafting captured in the step graph: still exactly AR (the target picks
+    every token), and the same chains as the uncompiled drafter up to fused-kernel rounding,
+    so (fp32) the same accept lengths."""
+    from specla.device_drafter import DeviceDraftDecoder
+    from tests.test_gpu_runtime import SMALL
+
+    target = cg.random_target(SMALL, "cuda", torch.float32, seed=0)
+    torch.manual_seed(1)
+    kw = dict(width=64, heads=2, mlp_hidden=128, window=16)
+    if kind == "lilicorr":
+        kw["head"] = dict(width=32, heads=2, mlp_hidden=64)
+    drafter = new_drafter(kind, target, feature_layers=(0, 2), block_size=8, top_k=4, **kw)
+    rt = cg.Runtime(target)
+    ar = cg.GraphedAR(rt, max_len=128)
+    settings = DraftSettings(tree="chain", block_size=8, top_k=4, budget=7)
+    prompt, n = prompt_of(40, SMALL.vocab_size), 64
+    pre = rt.prefill(prompt, tuple(drafter.feature_layers))
+    ar.reset(pre[0], prompt[-1])
+    want = ar.decode(n)
+    runs = {}
+    for compiled in (False, True):
+        dec = DeviceDraftDecoder(rt, drafter, settings, capacity=n + 16, compile=compiled)
+        runs[compiled] = dec.generate(prompt, n, reference=want, prefilled=pre)
+        assert runs[compiled].tokens[:n] == want and runs[compiled].divergence is None
+    assert runs[True].accepted == runs[False].accepted
