@@ -1358,17 +1358,24 @@ def oracle_timed(spec: GraphedSpec, snapshot: StaticState, root: int, n: int, st
 @torch.no_grad()
 def oracle_split(spec: GraphedSpec, snapshot: StaticState, root: int, steps: int) -> dict:
     """GPU time per phase: the three phase graphs replayed with events between them."""
-    st = spec.state
-    st.reset(snapshot, root)
+    spec.state.reset(snapshot, root)
     spec.draft()
-    cuda = spec.rt.device.type == "cuda"
-    totals = {"verify": 0.0, "accept_commit": 0.0, "draft": 0.0}
+    return phase_times(spec, steps)
+
+
+@torch.no_grad()
+def phase_times(spec: GraphedSpec, steps: int) -> dict:
+    """Milliseconds per step of each phase (verify, accept_commit, draft) over `steps` steps
+    from the spec's current state: the phase graphs (`split_graphs=True`) replayed with CUDA
+    events between them, or host time eagerly."""
     names = (("verify", "verify"), ("accept", "accept_commit"), ("draft", "draft"))
+    totals = {key: 0.0 for _, key in names}
+    cuda = spec.rt.device.type == "cuda"
     marks = []
     sync(spec.rt.device)
     for _ in range(steps):
         if cuda:
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(names) + 1)]
             ev[0].record()
             for i, (phase, _) in enumerate(names):
                 spec.run(phase)

@@ -283,32 +283,9 @@ class DeviceDraftDecoder:
         """Milliseconds per step of each phase (verify, accept_commit, draft) over `steps`
         steps of this prompt: the phase graphs (`split_graphs=True`) replayed with CUDA events
         between them, or host time eagerly."""
-        spec = self.spec
         self.start(prompt, prefilled)
         self.first_draft()
-        names = (("verify", "verify"), ("accept", "accept_commit"), ("draft", "draft"))
-        totals = {key: 0.0 for _, key in names}
-        cuda = self.rt.device.type == "cuda"
-        marks = []
-        cg.sync(self.rt.device)
-        for _ in range(steps):
-            if cuda:
-                ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(names) + 1)]
-                ev[0].record()
-                for i, (phase, _) in enumerate(names):
-                    spec.run(phase)
-                    ev[i + 1].record()
-                marks.append(ev)
-            else:
-                for phase, key in names:
-                    t0 = time.perf_counter()
-                    spec.run(phase)
-                    totals[key] += 1e3 * (time.perf_counter() - t0)
-        cg.sync(self.rt.device)
-        for ev in marks:
-            for i, (_, key) in enumerate(names):
-                totals[key] += ev[i].elapsed_time(ev[i + 1])
-        return {key: value / max(steps, 1) for key, value in totals.items()}
+        return cg.phase_times(self.spec, steps)
 
 
 __all__ = ["DeviceChainDrafter", "DeviceDraftDecoder"]

@@ -8,6 +8,7 @@ with the trained embedded pair in bf16 (skipped where the assets are absent).
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -206,6 +207,27 @@ def test_device_draft_decoder_equals_ar_greedy(kind):
     assert accepted_any, "no draft token was ever accepted: the test exercises rejections only"
 
 
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="torch.compile on the CPU needs a C++ compiler")
+def test_compiled_block_draft_equals_the_uncompiled_one_on_cpu():
+    """`compile=True` (what the GPU uses to fuse the draft's ~300 kernels) runs the same math:
+    on the CPU (inductor's C++ backend) the decode equals AR and drafts exactly the chains the
+    uncompiled drafter drafts, so the accept lengths agree step for step."""
+    target, drafter = pair("block", vocab=16, seed=2)
+    rt = cg.Runtime(target)
+    n = 32
+    prompt = prompt_of(11, vocab=16, seed=1)
+    ref = ar_generate(target, prompt, DecodeSettings(max_new_tokens=n)).tokens
+    runs = {}
+    for compiled in (False, True):
+        dec = DeviceDraftDecoder(rt, drafter, chain_settings(), capacity=n + BLOCK + 8, use_graph=False,
+                                 compile=compiled)
+        runs[compiled] = dec.generate(prompt, n, reference=ref)
+        assert runs[compiled].tokens[:n] == ref and runs[compiled].divergence is None
+    assert dec.drafter.compiled and any(runs[True].accepted)
+    assert runs[True].accepted == runs[False].accepted
+
+
 def test_divergence_is_located_and_measured():
     """Against a reference that differs at one position, the run reports that position, the
     target's token and its positive logit gap over the reference token."""
@@ -268,10 +290,9 @@ def graphed_and_eager(rt, drafter, settings, prompt, n, want, noise=0.0):
     return runs[True], runs[False]
 
 
-@needs_cuda
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", KINDS)
-def test_graphed_device_drafter_fp32_equals_graphed_ar_and_eager(kind):
+def _small_cuda_pair(kind: str):
+    """A random fp32 target at the GPU tests' small shape, a random drafter of `kind`, the
+    runtime, a GraphedAR, chain settings and a prompt."""
     from tests.test_gpu_runtime import SMALL
 
     target = cg.random_target(SMALL, "cuda", torch.float32, seed=0)
@@ -283,7 +304,15 @@ def test_graphed_device_drafter_fp32_equals_graphed_ar_and_eager(kind):
     rt = cg.Runtime(target)
     ar = cg.GraphedAR(rt, max_len=128)
     settings = DraftSettings(tree="chain", block_size=8, top_k=4, budget=7)
-    prompt, n = prompt_of(40, SMALL.vocab_size), 64
+    return drafter, rt, ar, settings, prompt_of(40, SMALL.vocab_size)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_graphed_device_drafter_fp32_equals_graphed_ar_and_eager(kind):
+    drafter, rt, ar, settings, prompt = _small_cuda_pair(kind)
+    n = 64
     ar.reset(rt.prefill(prompt)[0], prompt[-1])
     want = ar.decode(n)
     graphed, eager = graphed_and_eager(rt, drafter, settings, prompt, n, want)
@@ -339,18 +368,9 @@ def test_compiled_device_drafter_graphed_equals_graphed_ar(kind):
     every token), and the same chains as the uncompiled drafter up to fused-kernel rounding,
     so (fp32) the same accept lengths."""
     from specla.device_drafter import DeviceDraftDecoder
-    from tests.test_gpu_runtime import SMALL
 
-    target = cg.random_target(SMALL, "cuda", torch.float32, seed=0)
-    torch.manual_seed(1)
-    kw = dict(width=64, heads=2, mlp_hidden=128, window=16)
-    if kind == "lilicorr":
-        kw["head"] = dict(width=32, heads=2, mlp_hidden=64)
-    drafter = new_drafter(kind, target, feature_layers=(0, 2), block_size=8, top_k=4, **kw)
-    rt = cg.Runtime(target)
-    ar = cg.GraphedAR(rt, max_len=128)
-    settings = DraftSettings(tree="chain", block_size=8, top_k=4, budget=7)
-    prompt, n = prompt_of(40, SMALL.vocab_size), 64
+    drafter, rt, ar, settings, prompt = _small_cuda_pair(kind)
+    n = 64
     pre = rt.prefill(prompt, tuple(drafter.feature_layers))
     ar.reset(pre[0], prompt[-1])
     want = ar.decode(n)
