@@ -554,8 +554,10 @@ def drafter_settings(kind: str, drafter):
     if kind in ("block", "lilicorr"):
         block = getattr(getattr(getattr(drafter, "net", None), "config", None), "block_size", 8) or 8
         return [("chain", DraftSettings(tree="chain", block_size=block, top_k=4, budget=block - 1)),
+                ("best-first-10", DraftSettings(tree="best-first", block_size=block, top_k=4, budget=10)),
                 ("best-first-16", DraftSettings(tree="best-first", block_size=block, top_k=4, budget=16))]
-    return [("best-first-16", DraftSettings(tree="best-first", top_k=4, budget=16, depth=6)),
+    return [("best-first-10", DraftSettings(tree="best-first", top_k=4, budget=10, depth=6)),
+            ("best-first-16", DraftSettings(tree="best-first", top_k=4, budget=16, depth=6)),
             ("chain-6", DraftSettings(tree="chain", top_k=1, budget=6, depth=6))]
 
 
@@ -875,7 +877,7 @@ def e2e_cpu(args, res: Results, deadline: Deadline) -> dict:
             row = {"name": f"{kind}/{label}", "kind": "drafter", "drafter": kind, "settings": label,
                    "draft_settings": dataclasses.asdict(settings)}
             guarded(row, "result", eager_pair_row, target, prompts, lambda i, ref, d=drafter: d,
-                    settings, n)
+                    settings, n, args.repeats or (1 if args.quick else 3))
             if isinstance(row["result"], dict) and "error" not in row["result"]:
                 row.update(row.pop("result"))
             out["rows"].append(row)
@@ -941,8 +943,13 @@ class _StartClock:
         self.drafter.observe(accepted)
 
 
-def eager_pair_row(target, prompts, make_drafter, settings, n: int) -> dict:
-    """AR and speculative decoding of every prompt through specla.decode (the eager loop)."""
+def eager_pair_row(target, prompts, make_drafter, settings, n: int, repeats: int = 1) -> dict:
+    """AR and speculative decoding of every prompt through specla.decode (the eager loop).
+
+    Each prompt is decoded `repeats` times, AR and speculation alternating, and each side keeps
+    its fastest run: on a shared CPU a neighbour's burst slows single runs by 20% or more, and
+    alternating puts AR and speculation under the same drift.
+    """
     from specla.decode import DecodeSettings, ar_generate, speculative_steps
 
     ar_ms, spec_ms, tokens, steps, mismatches = [], [], 0, 0, []
@@ -954,14 +961,18 @@ def eager_pair_row(target, prompts, make_drafter, settings, n: int) -> dict:
         pass
     for i, prompt in enumerate(prompts):
         ds = DecodeSettings(max_new_tokens=n, mode="auto", deferred=True)
-        ar = ar_generate(target, prompt, ds)
-        ar_ms.append(1e3 * ar.seconds / len(ar.tokens))
-        drafter = _StartClock(make_drafter(i, ar.tokens))
-        records = []
-        for record in speculative_steps(target, drafter, prompt, ds, dataclasses.replace(settings)):
-            records.append(record)
-        wall = 1e3 * (time.perf_counter() - drafter.start)
+        best_ar = best_spec = None
+        for _ in range(max(1, repeats)):
+            ar = ar_generate(target, prompt, ds)
+            best_ar = min(best_ar or ar.seconds, ar.seconds)
+            drafter = _StartClock(make_drafter(i, ar.tokens))
+            records = list(speculative_steps(target, drafter, prompt, ds, dataclasses.replace(settings)))
+            wall = 1e3 * (time.perf_counter() - drafter.start)
+            if best_spec is None or wall < best_spec[0]:
+                best_spec = (wall, records)
+        wall, records = best_spec
         out = [t for r in records for t in r.new_tokens]
+        ar_ms.append(1e3 * best_ar / len(ar.tokens))
         spec_ms.append(wall / len(out))
         tokens += len(out)
         steps += len(records)
@@ -975,7 +986,7 @@ def eager_pair_row(target, prompts, make_drafter, settings, n: int) -> dict:
             mismatches.append({"prompt": i, "first_mismatch": first})
     t_ar, t_spec = statistics.median(ar_ms), statistics.median(spec_ms)
     tau = tokens / steps
-    return {"tokens": tokens, "target_forwards": steps, "tau": tau,
+    return {"tokens": tokens, "target_forwards": steps, "tau": tau, "repeats": max(1, repeats),
             "ms_per_token": stat(spec_ms), "tokens_per_s": stat([1e3 / x for x in spec_ms]),
             "ar_ms_per_token": stat(ar_ms), "speedup": t_ar / t_spec,
             "bound": tau * t_ar / (phases.get("verify", 0.0) / steps) if phases.get("verify") else None,
