@@ -132,13 +132,16 @@ class GatedDeltaNetMixer(nn.Module):
     def _inference_cache(self, name: str, params: list[torch.Tensor], build):
         """`build()` once per set of weights at inference; rebuilt on every call under autograd.
 
-        Keyed by the weights' storage, so a reload or a device move rebuilds it; with autograd
+        Keyed by the weights' storage and version counters, so a reload, a device move or an
+        in-place update (an optimizer step between held-out evals) rebuilds it; with autograd
         on (training) it is rebuilt on each call so gradients reach the parameters. On the
         small CPU model the per-call concatenations cost as much as the matmuls they feed.
         """
         if torch.is_grad_enabled():
             return build()
-        key = tuple(p.data_ptr() for p in params)
+        # storage and version: an optimizer step writes the weights in place (same storage),
+        # and a held-out eval between steps must not see the previous step's concatenation
+        key = tuple((p.data_ptr(), 0 if p.is_inference() else p._version) for p in params)
         cached = self.__dict__.get("_cache_" + name)
         if cached is None or cached[0] != key:
             cached = self.__dict__["_cache_" + name] = (key, build())

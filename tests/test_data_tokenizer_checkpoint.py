@@ -324,6 +324,27 @@ def test_target_training_smoke(tmp_path):
                      tokenizer_dir=None, init=tmp_path / "run" / "export")
 
 
+def test_inference_caches_follow_in_place_weight_updates():
+    """An optimizer step writes the weights in place; an eval under no_grad right after must
+    use them, not the q|k|v|a|b(|g) concatenation or conv taps cached at the previous eval."""
+    torch.manual_seed(0)
+    model = GDNForCausalLM(TINY)
+    tokens = torch.randint(0, TINY.vocab_size, (1, 6))
+
+    def logits(m):
+        with torch.no_grad():
+            return m(tokens, m.new_state(), Topology.chain(6, TINY.conv_size), mode="tree").logits
+
+    logits(model)                                   # builds the caches
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "proj" in name or "conv1d" in name:
+                p.mul_(1.5).add_(0.01)              # in place: same storage, new version
+    fresh = GDNForCausalLM(TINY)
+    fresh.load_state_dict(model.state_dict())
+    assert torch.allclose(logits(model), logits(fresh), atol=1e-5)
+
+
 def test_card_and_command_dispatch(capsys):
     from specla.train import __main__ as cli
     from specla.train.target import render_card
