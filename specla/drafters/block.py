@@ -67,14 +67,39 @@ class TargetParts:
         return linear(self.norm(x).to(self.lm_weight.dtype), self.lm_weight)
 
 
-def rope(x: torch.Tensor, pos: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
-    """Rotary embedding. x [..., T, H, Dh], pos [T] or [..., T] (integer positions)."""
+Positions = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def rope(x: torch.Tensor, pos: Positions, base: float = 10000.0) -> torch.Tensor:
+    """Rotary embedding. x [..., T, H, Dh]; pos [T] or [..., T] integer positions, or a
+    (cos, sin) table from `rope_table`."""
     half = x.shape[-1] // 2
-    inv = base ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
-    ang = pos.to(torch.float32)[..., None] * inv                  # [..., T, half]
-    cos, sin = ang.cos()[..., None, :], ang.sin()[..., None, :]   # broadcast over heads
+    cos, sin = pos if isinstance(pos, tuple) else _cos_sin(pos, half, base)
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
+def _cos_sin(pos: torch.Tensor, half: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = base ** (-torch.arange(half, device=pos.device, dtype=torch.float32) / half)
+    ang = pos.to(torch.float32)[..., None] * inv                  # [..., T, half]
+    return ang.cos()[..., None, :], ang.sin()[..., None, :]       # broadcast over heads
+
+
+_ROPE_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def rope_table(start: int, stop: int, head_dim: int, device: torch.device,
+               base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (cos, sin) of positions start..stop-1, built once: a block pass uses the same
+    positions every step, and rebuilding them cost ~10 small ops per rotation (a sixth of the
+    pass on the CPU, and as many kernels inside a CUDA graph). Same values as `rope(x, pos)`.
+    Tables made under inference mode are kept apart: autograd may not save those."""
+    key = (start, stop, head_dim // 2, str(device), base, torch.is_inference_mode_enabled())
+    table = _ROPE_TABLES.get(key)
+    if table is None:
+        pos = torch.arange(start, stop, device=device)
+        table = _ROPE_TABLES[key] = _cos_sin(pos, head_dim // 2, base)
+    return table
 
 
 class Attention(nn.Module):
@@ -101,12 +126,12 @@ class Attention(nn.Module):
         shape = (*x.shape[:-1], self.heads, self.head_dim)
         return self.k_norm(self.k_proj(x).view(shape)), self.v_proj(x).view(shape)
 
-    def keys(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def keys(self, x: torch.Tensor, pos: Positions) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated keys and values of rows x [..., T, width]: each [..., T, H, Dh]."""
         k, v = self.raw_keys(x)
         return rope(k, pos), v
 
-    def attend(self, x: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def attend(self, x: torch.Tensor, pos: Positions, k: torch.Tensor, v: torch.Tensor,
                mask: torch.Tensor | None) -> torch.Tensor:
         """Queries from x [N, T, width]; k, v [N, S, H, Dh]; mask [N|1, 1|H, T, S] (True = see)."""
         shape = (*x.shape[:-1], self.heads, self.head_dim)
@@ -137,8 +162,8 @@ class Layer(nn.Module):
         self.mlp_norm = RMSNorm(width, 1e-6)
         self.mlp = SwiGLU(width, mlp_hidden)
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, mem: torch.Tensor | None,
-                mem_pos: torch.Tensor | None, mask: torch.Tensor | None,
+    def forward(self, x: torch.Tensor, pos: Positions, mem: torch.Tensor | None,
+                mem_pos: Positions | None, mask: torch.Tensor | None,
                 mem_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x [N, T, width] attends to [mem rows (as they are); its own normed rows].
 
@@ -208,8 +233,9 @@ class BlockNet(nn.Module):
         dev = ctx.device
         x = torch.cat([self.in_proj(parts.embed(root).to(self.in_proj.weight.dtype))[:, None],
                        self.mask_emb.to(self.in_proj.weight.dtype).expand(N, B - 1, c.width)], dim=1)
-        pos = torch.arange(c.window, c.window + B, device=dev)
-        ctx_pos = torch.arange(c.window - n, c.window, device=dev)
+        head_dim = c.width // c.heads
+        pos = rope_table(c.window, c.window + B, head_dim, dev)
+        ctx_pos = rope_table(c.window - n, c.window, head_dim, dev)
         mask = None
         if ctx_valid is not None:
             see = torch.cat([ctx_valid, torch.ones(N, B, dtype=torch.bool, device=dev)], dim=1)
