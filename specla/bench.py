@@ -593,6 +593,20 @@ def load_pair(device, quick: bool, limit: int | None, drafters_dir: Path | None 
 
 DEVICE_LABEL = "chain (device-graphed)"
 COMPILED_LABEL = "chain (device-graphed, compiled)"   # the draft's ops fused by torch.compile
+FUSED_SUFFIX = ", fused head"                           # LiLiCorr's head as one Triton kernel
+
+
+def device_variants(kinds, compile_too: bool) -> list[tuple[str, bool, bool, str]]:
+    """(kind, compiled, fused head, label) of the device-graphed rows: LiLiCorr with its head
+    as torch ops and as the fused kernel, the block chain (the head share's baseline)."""
+    out = []
+    for compiled in (False, True) if compile_too else (False,):
+        base = COMPILED_LABEL if compiled else DEVICE_LABEL
+        # the block row first: every head share needs it
+        for kind, fused in (("block", False), ("lilicorr", True), ("lilicorr", False)):
+            if kind in kinds:
+                out.append((kind, compiled, fused, base[:-1] + FUSED_SUFFIX + ")" if fused else base))
+    return out
 
 
 class PairReference:
@@ -627,7 +641,7 @@ class PairReference:
 
 
 def device_chain_row(rt, drafter, settings, prompts: list[list[int]], n: int, ref: PairReference,
-                     recurrence: str = "kernels", compile: bool = False) -> dict:
+                     recurrence: str = "kernels", compile: bool = False, fused_head: bool = False) -> dict:
     """A trained block / LiLiCorr drafter drafting greedy chains on the device, inside the
     step graph (`specla.device_drafter`): each prompt decoded once to warm (the first only)
     and once timed against AR's tokens, then its steps replayed phase by phase for the GPU
@@ -635,7 +649,8 @@ def device_chain_row(rt, drafter, settings, prompts: list[list[int]], n: int, re
     from specla.device_drafter import DeviceDraftDecoder
 
     dec = DeviceDraftDecoder(rt, drafter, settings, capacity=n + settings.block_size + 8,
-                             recurrence=recurrence, split_graphs=True, compile=compile)
+                             recurrence=recurrence, split_graphs=True, compile=compile,
+                             fused_head=fused_head)
     noise = ref.noise(0, dec.feature_layers)
     ar_ms, spec_ms, step_ms, readbacks, divs = [], [], [], [], []
     tokens, steps, split = 0, 0, {}
@@ -672,19 +687,76 @@ def device_chain_row(rt, drafter, settings, prompts: list[list[int]], n: int, re
                       "excuse_threshold": 2 * noise}}
 
 
-def device_head_share(rows: list[dict], label: str = DEVICE_LABEL) -> dict:
-    """The LiLiCorr head's share of a graphed step: the LiLiCorr chain step against the block
-    chain step (same block pass and verification; the head is the difference)."""
-    by = {r.get("drafter"): r for r in rows if r.get("settings") == label and "step_ms" in r}
-    if "lilicorr" not in by or "block" not in by:
-        return {"skipped": f"needs both measured {label} rows (have: {sorted(by)})"}
-    lil, blk = by["lilicorr"], by["block"]
+def device_head_share(rows: list[dict], label: str = DEVICE_LABEL, block_label: str | None = None) -> dict:
+    """The LiLiCorr head's share of a graphed step: the LiLiCorr chain step (`label`) against
+    the block chain step (`block_label`, default the same label): same block pass and
+    verification, so the head (top-k, head, walk) is the difference."""
+    block_label = block_label or label
+    lil = next((r for r in rows if r.get("settings") == label and r.get("drafter") == "lilicorr"
+                and "step_ms" in r), None)
+    blk = next((r for r in rows if r.get("settings") == block_label and r.get("drafter") == "block"
+                and "step_ms" in r), None)
+    if lil is None or blk is None:
+        return {"skipped": f"needs measured lilicorr '{label}' and block '{block_label}' rows"}
     l_ms, b_ms = lil["step_ms"]["median"], blk["step_ms"]["median"]
     l_draft, b_draft = (r["time_split_ms_per_step"]["draft"] for r in (lil, blk))
     return {"lilicorr_step_ms": l_ms, "block_step_ms": b_ms,
             "head_share_of_graphed_step": (l_ms - b_ms) / l_ms,
             "lilicorr_draft_ms": l_draft, "block_draft_ms": b_draft,
             "head_share_of_gpu_step": (l_draft - b_draft) / lil["gpu_step_ms"]}
+
+
+HEAD_SHARES = [  # (result key, LiLiCorr row label), each against the block row of its kind
+    ("lilicorr_head_device", DEVICE_LABEL),
+    ("lilicorr_head_device_fused", DEVICE_LABEL[:-1] + FUSED_SUFFIX + ")"),
+    ("lilicorr_head_device_compiled", COMPILED_LABEL),
+    ("lilicorr_head_device_compiled_fused", COMPILED_LABEL[:-1] + FUSED_SUFFIX + ")"),
+]
+
+
+def head_alone_cost(rt, drafter, settings, prompt: list[int], inner: int = 20, repeats: int = 30) -> dict:
+    """GPU ms of the LiLiCorr head's work in one device draft, on a real lattice (the block
+    pass after `prompt`): the torch ops (top-k, head, walk, gather) against the fused kernel
+    (top-k + one kernel), next to the block chain's own pick (log_softmax + argmax) and the
+    block pass. Each is captured `inner` times in one graph, so the per-call figure carries
+    no replay launch; medians of `repeats` replays."""
+    from specla import cuda_graphs as cg
+    from specla.device_drafter import DeviceChainDrafter
+    from specla.drafters.lilicorr import candidates, greedy_walk, lattice
+
+    dev = DeviceChainDrafter.from_settings(drafter, settings, fused_head=True)
+    dev.reset(rt.prefill(prompt, tuple(drafter.feature_layers))[1])
+    root = torch.tensor([prompt[-1]], device=rt.device)
+    with torch.no_grad():
+        h, logits = dev.slot_logits(root)
+        anchor = dev.ctx[-1:].clone()
+        cand, cand_logp = candidates(logits, dev.top_k)
+
+        def torch_head():
+            c, _, start, pair = lattice(dev.parts, dev.net.head, logits, h, anchor, dev.top_k)
+            return c.gather(-1, greedy_walk(start, pair)[..., None])
+
+        calls = {"block_pass": lambda: dev.slot_logits(root),
+                 "block_pick": lambda: torch.log_softmax(logits[0], dim=-1).argmax(-1),
+                 "torch_head": torch_head,
+                 "fused_head": lambda: dev.fused_head(*candidates(logits, dev.top_k), h, anchor),
+                 "fused_kernel_only": lambda: dev.fused_head(cand, cand_logp, h, anchor)}
+        out = {"slots": dev.slots, "top_k": dev.top_k, "inner": inner, "repeats": repeats}
+        for name, fn in calls.items():
+            graph = cg.capture(lambda fn=fn: [fn() for _ in range(inner)])
+            samples = []
+            for _ in range(repeats):
+                with cg.Stopwatch(rt.device) as sw:
+                    graph.replay()
+                samples.append(sw.ms / inner)
+            out[f"{name}_ms"] = stat(samples)
+        ranks = dev.fused_head(cand, cand_logp, h, anchor)[2]
+        _, _, start, pair = lattice(dev.parts, dev.net.head, logits, h, anchor, dev.top_k)
+        out["walk_equal_to_torch_head"] = bool(torch.equal(ranks, greedy_walk(start, pair)))
+    pick = out["block_pick_ms"]["median"]
+    out["head_extra_torch_ms"] = out["torch_head_ms"]["median"] - pick
+    out["head_extra_fused_ms"] = out["fused_head_ms"]["median"] - pick
+    return out
 
 
 def e2e_pair_gpu(args, res: Results, deadline: Deadline) -> dict:
@@ -710,27 +782,31 @@ def e2e_pair_gpu(args, res: Results, deadline: Deadline) -> dict:
     ar_for = PairReference(rt, ar, prompts, n, args.recurrence)
 
     # the device-graphed chains first: they are what a 13M target can gain from
-    variants = [(kind, compiled) for compiled in (False, True) for kind in ("lilicorr", "block")
-                if kind in drafters and (not compiled or getattr(args, "compile_drafter", False))]
-    for kind, compiled in variants:
+    compile_too = getattr(args, "compile_drafter", False)
+    if "lilicorr" in drafters:
+        guarded(out, "lilicorr_head_alone", head_alone_cost, rt, drafters["lilicorr"],
+                dict(drafter_settings("lilicorr", drafters["lilicorr"]))["chain"], prompts[0])
+        res.save()
+    for kind, compiled, fused, label in device_variants(drafters, compile_too):
         settings = dict(drafter_settings(kind, drafters[kind]))["chain"]
-        label = COMPILED_LABEL if compiled else DEVICE_LABEL
         row = {"name": f"{kind}/{label}", "kind": "drafter", "drafter": kind,
                "settings": label, "draft_settings": dataclasses.asdict(settings)}
         if not deadline.ok(30):
             out["rows"].append({**row, "skipped": "deadline"})
             continue
         guarded(row, "result", device_chain_row, rt, drafters[kind], settings, prompts, n, ar_for,
-                args.recurrence, compiled)
+                args.recurrence, compiled, fused)
         if isinstance(row["result"], dict) and "error" not in row["result"]:
             row.update(row.pop("result"))
             print(f"[e2e] {row['name']}: tau {row['tau']:.2f}, {row['ms_per_token']['median']:.3f} ms/token, "
                   f"speedup {row['speedup']:.2f}x", flush=True)
         out["rows"].append(row)
         res.save()
-    guarded(out, "lilicorr_head_device", device_head_share, out["rows"])
-    if getattr(args, "compile_drafter", False):
-        guarded(out, "lilicorr_head_device_compiled", device_head_share, out["rows"], COMPILED_LABEL)
+    for key, label in HEAD_SHARES:
+        if label.startswith(COMPILED_LABEL[:-1]) and not compile_too:
+            continue
+        guarded(out, key, device_head_share, out["rows"], label,
+                COMPILED_LABEL if label.startswith(COMPILED_LABEL[:-1]) else DEVICE_LABEL)
     res.save()
     if getattr(args, "device_rows_only", False):
         return "ok"
@@ -1172,8 +1248,17 @@ def _md_e2e(e: dict) -> list[str]:
                           f"{fmt(head['head_graph_ms'])} ms; block pass {fmt(head['block_pass_graph_ms'])} ms; "
                           f"share of a fully graphed step {num(head.get('head_share_of_graphed_step'))}, "
                           f"of the measured step {num(head.get('head_graph_share_of_measured_step'))}."]
+            alone = p.get("lilicorr_head_alone") or {}
+            if "torch_head_ms" in alone:
+                lines += ["", f"LiLiCorr head alone (top-{alone['top_k']} x {alone['slots']} slots, each call "
+                          f"{alone['inner']}x in one CUDA graph): torch ops {fmt(alone['torch_head_ms'])} ms, "
+                          f"fused kernel with top-k {fmt(alone['fused_head_ms'])} ms (kernel only "
+                          f"{fmt(alone['fused_kernel_only_ms'])}), the block chain's pick {fmt(alone['block_pick_ms'])} ms, "
+                          f"block pass {fmt(alone['block_pass_ms'])} ms."]
             for key, how in (("lilicorr_head_device", "device-graphed"),
-                             ("lilicorr_head_device_compiled", "device-graphed, compiled")):
+                             ("lilicorr_head_device_fused", "device-graphed, fused head"),
+                             ("lilicorr_head_device_compiled", "device-graphed, compiled"),
+                             ("lilicorr_head_device_compiled_fused", "device-graphed, compiled, fused head")):
                 dev = p.get(key) or {}
                 if "head_share_of_graphed_step" in dev:
                     lines += ["", f"LiLiCorr head inside the {how} step: LiLiCorr chain step "

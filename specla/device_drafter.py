@@ -11,8 +11,9 @@ does for the device oracle:
               keys/values; the new window is rows a+1 .. a+W of [old W rows, new P rows],
               an index_select with a device index (no host sync, no data-dependent shape)
     propose   the block pass over the W-row window with a validity mask, then the chain:
-              top-1 of every slot (block), or the LiLiCorr lattice + head + greedy walk;
-              the tokens go into `spec.tokens[0, 1:]` for the next step
+              top-1 of every slot (block), or the LiLiCorr lattice + head + greedy walk
+              (on CUDA the head and walk are one Triton kernel, `kernels/triton_lilicorr.py`,
+              instead of ~100 torch ops); the tokens go into `spec.tokens[0, 1:]`
 
 The window holds n <= W valid rows right-aligned (invalid rows first). `BlockNet.forward`
 places W context rows at relative positions 0..W-1, so the valid ones sit at W-n..W-1,
@@ -35,7 +36,7 @@ import torch
 from specla import cuda_graphs as cg
 from specla.drafters.base import DraftSettings
 from specla.drafters.block import BlockDrafter
-from specla.drafters.lilicorr import LiLiCorrDrafter, greedy_walk, lattice
+from specla.drafters.lilicorr import LiLiCorrDrafter, candidates, greedy_walk, lattice
 from specla.tree import DraftTree
 
 
@@ -45,11 +46,12 @@ class DeviceChainDrafter:
     block_size: slots of the block pass (root included; default the trained size); the
     LiLiCorr lattice spans all of them. budget: drafted chain length (default all slots).
     top_k: LiLiCorr lattice width; None or 1, or a drafter without a head, gives the block
-    drafter's top-1 chain.
+    drafter's top-1 chain. fused_head: run the LiLiCorr head and walk as one Triton kernel
+    (None: wherever it can, i.e. on CUDA for a supported head shape; False: torch ops).
     """
 
     def __init__(self, drafter: BlockDrafter, block_size: int | None = None, top_k: int | None = None,
-                 budget: int | None = None, compile: bool = False):
+                 budget: int | None = None, compile: bool = False, fused_head: bool | None = None):
         net, c = drafter.net, drafter.net.config
         self.net, self.parts, self.feature_layers = net, drafter.parts, tuple(drafter.feature_layers)
         block_size = block_size or c.block_size
@@ -72,22 +74,50 @@ class DeviceChainDrafter:
         self.kv = [(torch.zeros(W, heads, hd, device=dev, dtype=w.dtype),
                     torch.zeros(W, heads, hd, device=dev, dtype=w.dtype)) for _ in net.layers]
         self.arange_w = torch.arange(W, device=dev)
+        self.fused_head = self._fused_head(fused_head, dev) if self.top_k is not None else None
         # Inside a CUDA graph every kernel still costs ~2 us, and a draft is a few hundred small
         # ones: torch.compile fuses them (compiled on the first, uncaptured call; the graph then
-        # replays the generated kernels). Same math; fused kernels may round differently.
+        # replays the generated kernels). Same math; fused kernels may round differently. With
+        # the fused head, only the block pass is compiled (the head is one kernel already).
         self.compiled = compile
         self._observe_rows = torch.compile(self._observe_rows, dynamic=False) if compile else self._observe_rows
-        self._chain = torch.compile(self.chain_tokens, dynamic=False) if compile else self.chain_tokens
+        self._slot_logits = self.slot_logits
+        self._chain = self.chain_tokens
+        if compile and self.fused_head is None:
+            self._chain = torch.compile(self.chain_tokens, dynamic=False)
+        elif compile:
+            self._slot_logits = torch.compile(self.slot_logits, dynamic=False)
+
+    def _fused_head(self, wanted: bool | None, device: torch.device):
+        """The head as one Triton kernel, or None for the torch ops (see `fused_head`)."""
+        if wanted is False:
+            return None
+        why = None
+        if device.type != "cuda":
+            why = "it needs a CUDA device"
+        else:
+            try:
+                from kernels.triton_lilicorr import unsupported
+            except ImportError as err:
+                why = f"Triton is not importable ({err})"
+            else:
+                why = unsupported(self.net.head, self.slots, self.top_k)
+        if why is None:
+            from kernels.triton_lilicorr import FusedLiLiCorrHead
+            return FusedLiLiCorrHead(self.net.head, self.slots, self.top_k, self.parts.embed_weight)
+        if wanted:
+            raise ValueError(f"the fused LiLiCorr head cannot run here: {why}")
+        return None
 
     @classmethod
-    def from_settings(cls, drafter: BlockDrafter, settings: DraftSettings,
-                      compile: bool = False) -> "DeviceChainDrafter":
+    def from_settings(cls, drafter: BlockDrafter, settings: DraftSettings, compile: bool = False,
+                      fused_head: bool | None = None) -> "DeviceChainDrafter":
         """The device twin of `drafter.propose` for these (greedy chain) settings."""
         settings.validate(drafter.parts.vocab_size)
         if settings.tree != "chain" or settings.temperature > 0 or settings.prune_tau is not None:
             raise ValueError("the device drafter drafts greedy chains only (tree='chain', "
                              "temperature 0, no pruning)")
-        return cls(drafter, settings.block_size, settings.top_k, settings.budget, compile)
+        return cls(drafter, settings.block_size, settings.top_k, settings.budget, compile, fused_head)
 
     def tree(self) -> DraftTree:
         """The topology of every step's draft (root + `length` drafted slots)."""
@@ -149,13 +179,16 @@ class DeviceChainDrafter:
     @torch.no_grad()
     def chain_tokens(self, root: torch.Tensor) -> torch.Tensor:
         """The drafted chain [length] after `root` [1] (a device tensor), from the window."""
-        h, logits = self.slot_logits(root)
+        h, logits = self._slot_logits(root)
         if self.top_k is None:
             # the host takes the best of log_softmax's top-k: the same ordering, ties included
-            tokens = torch.log_softmax(logits[0], dim=-1).argmax(-1)
+            return torch.log_softmax(logits[0], dim=-1).argmax(-1)[:self.length]
+        # LiLiCorr anchors on the newest context row (zeros before there is any)
+        anchor = torch.where(self.valid[-1], self.ctx[-1], torch.zeros_like(self.ctx[-1]))[None]
+        if self.fused_head is not None:
+            cand, cand_logp = candidates(logits, self.top_k)
+            tokens = self.fused_head(cand, cand_logp, h, anchor)[3][0]
         else:
-            # LiLiCorr anchors on the newest context row (zeros before there is any)
-            anchor = torch.where(self.valid[-1], self.ctx[-1], torch.zeros_like(self.ctx[-1]))[None]
             cand, _, start, pair = lattice(self.parts, self.net.head, logits, h, anchor, self.top_k)
             ranks = greedy_walk(start, pair)                                # [1, S]
             tokens = cand.gather(-1, ranks[..., None])[0, :, 0]
@@ -178,9 +211,9 @@ class DeviceDraftDecoder:
 
     def __init__(self, rt: cg.Runtime, drafter: BlockDrafter, settings: DraftSettings, capacity: int,
                  deferred: bool = True, use_graph: bool | None = None, recurrence: str = "kernels",
-                 split_graphs: bool = False, compile: bool = False):
+                 split_graphs: bool = False, compile: bool = False, fused_head: bool | None = None):
         self.rt, self.settings = rt, settings
-        self.drafter = DeviceChainDrafter.from_settings(drafter, settings, compile)
+        self.drafter = DeviceChainDrafter.from_settings(drafter, settings, compile, fused_head)
         self.feature_layers = self.drafter.feature_layers
         tree = self.drafter.tree()
         self.state = cg.SpecState(rt, max_path=len(tree), capacity=capacity)

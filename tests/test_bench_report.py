@@ -177,3 +177,18 @@ def test_device_graphed_rows_and_head_share():
                                                "lilicorr_head_device": share}}))
     assert f"lilicorr/{bench.DEVICE_LABEL}" in report and f"block/{bench.DEVICE_LABEL}" in report
     assert "LiLiCorr head inside the device-graphed step" in report
+
+
+def test_device_variants_cover_every_head_share():
+    """Each head-share key compares a LiLiCorr row that the device rows produce with the block
+    row of the same kind (compiled or not); without --compile-drafter no compiled rows."""
+    variants = bench.device_variants({"lilicorr": None, "block": None}, compile_too=True)
+    labels = [(kind, label) for kind, _, _, label in variants]
+    assert len(set(labels)) == len(labels) == 6
+    for _, label in bench.HEAD_SHARES:
+        assert ("lilicorr", label) in labels
+    assert ("block", bench.DEVICE_LABEL) in labels and ("block", bench.COMPILED_LABEL) in labels
+    fused = {label for kind, _, f, label in variants if f}
+    assert fused == {"chain (device-graphed, fused head)", "chain (device-graphed, compiled, fused head)"}
+    assert not any(c for _, c, _, _ in bench.device_variants({"lilicorr": None, "block": None}, False))
+    assert [k for k, *_ in bench.device_variants({"block": None}, False)] == ["block"]

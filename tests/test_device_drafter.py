@@ -124,6 +124,10 @@ def test_device_drafter_refuses_what_it_cannot_draft():
         DeviceChainDrafter(drafter, block_size=BLOCK + 1)
     short = DeviceChainDrafter.from_settings(drafter, DraftSettings(block_size=BLOCK, top_k=1, budget=3))
     assert short.kind == "block" and short.length == 3 and short.tree().tokens == [0] * 4
+    # the fused head is a CUDA kernel: asked for on the CPU it says so, by default it is off
+    with pytest.raises(ValueError, match="fused LiLiCorr head cannot run here: it needs a CUDA"):
+        DeviceChainDrafter(drafter, top_k=4, fused_head=True)
+    assert DeviceChainDrafter(drafter, top_k=4).fused_head is None
 
 
 # --------------------------------------------------------------------------- step by step
@@ -379,4 +383,23 @@ def test_compiled_device_drafter_graphed_equals_graphed_ar(kind):
         dec = DeviceDraftDecoder(rt, drafter, settings, capacity=n + 16, compile=compiled)
         runs[compiled] = dec.generate(prompt, n, reference=want, prefilled=pre)
         assert runs[compiled].tokens[:n] == want and runs[compiled].divergence is None
+    assert runs[True].accepted == runs[False].accepted
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_fused_head_decoder_equals_torch_head():
+    """The LiLiCorr head as one Triton kernel inside the step graph: exactly AR, and (fp32,
+    IEEE products) the same chains as the torch head, so the same accept lengths."""
+    drafter, rt, ar, settings, prompt = _small_cuda_pair("lilicorr")
+    n = 64
+    pre = rt.prefill(prompt, tuple(drafter.feature_layers))
+    ar.reset(pre[0], prompt[-1])
+    want = ar.decode(n)
+    runs = {}
+    for fused in (False, True):
+        dec = DeviceDraftDecoder(rt, drafter, settings, capacity=n + 16, fused_head=fused)
+        assert (dec.drafter.fused_head is not None) == fused
+        runs[fused] = dec.generate(prompt, n, reference=want, prefilled=pre)
+        assert runs[fused].tokens[:n] == want and runs[fused].divergence is None
     assert runs[True].accepted == runs[False].accepted

@@ -1,6 +1,7 @@
 """The Triton kernels (kernels/triton_verify.py: verify, commit; kernels/triton_conv_gates.py:
-the verify forward's conv + gates) against the plain-torch
-references (kernels/reference.py).
+the verify forward's conv + gates; kernels/triton_lilicorr.py: the whole LiLiCorr head)
+against the plain-torch references (kernels/reference.py; for the head, the trained module
+`specla.drafters.lilicorr.LiLiCorrHead` itself).
 
 On CUDA: every mode at the GDN-1.3B head shape (H=8, K=V=256) and smaller ones, over
 chains, wide-shallow, deep-narrow and random trees, with and without a pending commit,
@@ -175,6 +176,67 @@ def check_conv_gates(parents: list[int], H: int, K: int, V: int, W: int, dtype, 
     return problems
 
 
+HEAD_SHAPES = {  # name: (HeadConfig fields, slots, top_k, vocab)
+    "embedded": (dict(drafter_width=256, target_hidden=384, width=128, heads=4, layers=2,
+                      mlp_hidden=256, max_slots=7, max_k=8), 7, 8, 4096),
+    "odd": (dict(drafter_width=48, target_hidden=40, width=32, heads=2, layers=1, mlp_hidden=64,
+                 max_slots=5, max_k=4), 4, 3, 50),
+    "deep": (dict(drafter_width=64, target_hidden=96, width=64, heads=4, layers=3, mlp_hidden=384,
+                  max_slots=15, max_k=8), 15, 2, 300),
+}
+
+
+def random_head(fields: dict, seed: int):
+    """A LiLiCorr head with every weight random at a trained head's scale (its own init
+    leaves the biases at zero and the out/in heads tiny: too easy to match)."""
+    from specla.drafters.lilicorr import HeadConfig, LiLiCorrHead
+    torch.manual_seed(seed)
+    head = LiLiCorrHead(HeadConfig(**fields))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.3 if p.dim() < 2 else p.shape[-1] ** -0.5)
+    return head.eval()
+
+
+def check_lilicorr_head(shape: str, dtype, device, seed: int = 0, N: int = 2) -> list[str]:
+    """The fused head against the module: scores, and the walk against `greedy_walk`.
+
+    fp32: rounding only. bf16: the module rounds every intermediate to bf16 and the kernel
+    keeps fp32 activations, so both are compared with the fp32 math: the kernel may be off
+    by at most twice the bf16 module's own error (plus 1% of the score scale)."""
+    from kernels.triton_lilicorr import FusedLiLiCorrHead
+    from specla.drafters.lilicorr import greedy_walk
+    fields, S, k, vocab = HEAD_SHAPES[shape]
+    head32 = random_head(fields, seed)
+    gen = torch.Generator().manual_seed(seed)
+    embed = torch.randn(vocab, fields["target_hidden"], generator=gen)
+    cand = torch.stack([torch.randperm(vocab, generator=gen)[:S * k].view(S, k) for _ in range(N)])
+    logp = torch.log_softmax(torch.randn(N, S, 4 * k, generator=gen) * 3, -1).topk(k, -1).values
+    logp[0, 1] = -45.0                                    # below the features' clamp at -30
+    hidden = torch.randn(N, S, fields["drafter_width"], generator=gen)
+    anchor = torch.randn(N, fields["drafter_width"], generator=gen)
+    with torch.no_grad():
+        want = head32(embed[cand], logp, hidden, anchor)
+        head = head32 if dtype == torch.float32 else random_head(fields, seed).to(dtype)
+        bf16_err = max((w - g).abs().max().item() for w, g in zip(
+            want, head(embed.to(dtype)[cand], logp, hidden.to(dtype), anchor.to(dtype))))
+        fused = FusedLiLiCorrHead(head.to(device), S, k, embed.to(device))
+        start, pair, ranks, tokens = fused(cand.to(device), logp.to(device), hidden.to(device).to(dtype),
+                                           anchor.to(device).to(dtype))
+    scale = fields.get("scale", 8.0)
+    tol = 1e-4 * scale if dtype == torch.float32 else 2 * bf16_err + 0.01 * scale
+    problems = [f"{name}: max error {(g.cpu() - w).abs().max().item():.2e} > {tol:.2e}"
+                for name, g, w in (("start", start, want[0]), ("pair", pair, want[1]))
+                if not (g.cpu() - w).abs().max().item() <= tol]
+    if not torch.equal(ranks.cpu(), greedy_walk(start, pair).cpu()):
+        problems.append("the in-kernel walk differs from greedy_walk on the kernel's own scores")
+    if dtype == torch.float32 and not torch.equal(ranks.cpu(), greedy_walk(*want)):
+        problems.append("the walk differs from the module's")
+    if not torch.equal(tokens.cpu(), cand.gather(-1, ranks.cpu()[..., None])[..., 0]):
+        problems.append("tokens are not the walked candidates")
+    return problems
+
+
 # ---------------------------------------------------------------------------------------
 # CUDA
 # ---------------------------------------------------------------------------------------
@@ -244,6 +306,28 @@ def test_commit_matches_reference(T, B, H, K, V):
 def test_conv_gates_matches_reference(topo_name, n, H, K, V, W, bias, dtype):
     parents = TOPOLOGIES[topo_name](n)
     assert not check_conv_gates(parents, H, K, V, W, dtype, bias, "cuda", seed=n + H)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", list(HEAD_SHAPES))
+def test_lilicorr_head_matches_module(shape, dtype):
+    assert not check_lilicorr_head(shape, dtype, "cuda", seed=len(shape))
+
+
+def test_lilicorr_head_bad_inputs():
+    pytest.importorskip("triton")
+    from kernels.triton_lilicorr import FusedLiLiCorrHead
+    fields, S, k, vocab = HEAD_SHAPES["odd"]
+    embed = torch.zeros(vocab, fields["target_hidden"])
+    with pytest.raises(ValueError, match="power-of-two"):
+        FusedLiLiCorrHead(random_head({**fields, "width": 48}, 0), S, k, embed)
+    with pytest.raises(ValueError, match="outside the head"):
+        FusedLiLiCorrHead(random_head(fields, 0), S, fields["max_k"] + 1, embed)
+    fused = FusedLiLiCorrHead(random_head(fields, 0), S, k, embed)
+    with pytest.raises(ValueError, match="lattice"):
+        fused(torch.zeros(1, S, k + 1, dtype=torch.long), torch.zeros(1, S, k + 1),
+              torch.zeros(1, S, fields["drafter_width"]), torch.zeros(1, fields["drafter_width"]))
 
 
 @needs_cuda
@@ -356,6 +440,12 @@ def interpreter_cases(group: str):
                            lambda p=parents, H=H, K=K, V=V, W=W, dt=dtype, bias=bias: check_conv_gates(
                                p, H, K, V, W, dt, bias, dev, seed=len(p) + H))
         return
+    if group == "lilicorr":
+        for shape in HEAD_SHAPES:
+            for dtype in (torch.float32, torch.bfloat16):
+                yield (f"lilicorr-{shape}-{dtype}",
+                       lambda shape=shape, dt=dtype: check_lilicorr_head(shape, dt, dev, seed=len(shape)))
+        return
     if group == "commit":
         for T in (0, 1, 5):
             yield f"commit-T{T}-H2-K16-V32", lambda T=T: check_commit(2, T, 2, 16, 32, dev, seed=T)
@@ -400,7 +490,7 @@ def run_interpreter_group(group: str) -> int:
     return failures
 
 
-@pytest.mark.parametrize("group", ["chain", "tree", "hybrid", "commit", "conv_gates"])
+@pytest.mark.parametrize("group", ["chain", "tree", "hybrid", "commit", "conv_gates", "lilicorr"])
 def test_interpreter(group):
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
@@ -415,4 +505,4 @@ if __name__ == "__main__":
         if os.environ.get("TRITON_INTERPRET") != "1":
             sys.exit("set TRITON_INTERPRET=1 (before triton is imported) to run on the CPU")
         sys.exit(1 if run_interpreter_group(sys.argv[2]) else 0)
-    sys.exit(f"usage: TRITON_INTERPRET=1 python {sys.argv[0]} --interpreter chain|tree|hybrid|commit|conv_gates")
+    sys.exit(f"usage: TRITON_INTERPRET=1 python {sys.argv[0]} --interpreter chain|tree|hybrid|commit|conv_gates|lilicorr")

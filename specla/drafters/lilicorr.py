@@ -157,11 +157,15 @@ def lattice(parts: TargetParts, head: LiLiCorrHead, logits: torch.Tensor, h: tor
 
     Returns (cand [N,S,k] tokens, cand_logp [N,S,k], start [N,k], pair [N,S-1,k,k]).
     """
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    top = logp.detach().topk(k, dim=-1)
-    cand, cand_logp = top.indices, top.values
+    cand, cand_logp = candidates(logits, k)
     start, pair = head(parts.embed(cand), cand_logp, h, anchor)
     return cand, cand_logp, start, pair
+
+
+def candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each slot's top-k tokens and their log-probs (sorted best first) from [..., V] logits."""
+    top = torch.log_softmax(logits.float(), dim=-1).detach().topk(k, dim=-1)
+    return top.indices, top.values
 
 
 def greedy_walk(start: torch.Tensor, pair: torch.Tensor) -> torch.Tensor:

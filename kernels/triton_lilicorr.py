@@ -1,0 +1,283 @@
+"""The whole LiLiCorr head in ONE Triton kernel: lattice features, the lattice transformer,
+fusion with the anchor row, every pair score and the greedy walk.
+
+The reference is `specla.drafters.lilicorr.LiLiCorrHead.forward` + `greedy_walk` (plain
+torch, the trained module itself). Why a kernel: the head is tiny (S x k = 7 x 8 = 56
+lattice rows, width 128, 2 layers) but as torch ops it is ~100 launches, 0.21 ms as a CUDA
+graph on an H200, a fifth of the embedded pair's whole device-graphed step. Here one
+program holds one lattice in registers ([L, width] fp32, L padded to a power of two) and
+walks it through every layer; weights stream from L2, pre-transposed once to [in, out].
+
+Arithmetic: fp32 activations and accumulators; matmul operands are rounded to the weight
+dtype (bf16 on the GPU, so its scores differ from the bf16 module's by bf16 rounding; fp32
+weights use IEEE fp32 products and match the module to ~1e-5). Scores are fp32 like the
+module's. The walk is `greedy_walk` on the kernel's own scores: start argmax, then the
+argmax of the row out of the previous pick, first index on ties (as torch.argmax).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.nn as nn
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, w, PREC: tl.constexpr):
+    """fp32 activations a [M, R] @ w [R, C] with a rounded to w's dtype, fp32 accumulation.
+    PREC "emulate": the same product in fp32 (Triton 3.7's CPU interpreter gets bf16 dots
+    wrong; the values are those of a bf16 dot, bar the order of the sums)."""
+    if PREC == "emulate":
+        return tl.dot(a.to(w.dtype).to(tl.float32), w.to(tl.float32), input_precision="ieee")
+    return tl.dot(a.to(w.dtype), w, input_precision=PREC)
+
+
+@triton.jit
+def _mm(a, w_ptr, row_stride, rows, cols, PREC: tl.constexpr):
+    """a [M, R] fp32 @ W[rows, cols] of a row-major [in, out] weight -> fp32 [M, C]."""
+    return _dot(a, tl.load(w_ptr + rows[:, None] * row_stride + cols[None, :]), PREC)
+
+
+@triton.jit
+def _vec(w_ptr, offs):
+    return tl.load(w_ptr + offs).to(tl.float32)
+
+
+@triton.jit
+def _layer_norm(x, w_ptr, b_ptr, offs_w, WIDTH: tl.constexpr, eps):
+    mean = tl.sum(x, axis=1) / WIDTH
+    xc = x - mean[:, None]
+    var = tl.sum(xc * xc, axis=1) / WIDTH
+    return xc * tl.rsqrt(var + eps)[:, None] * _vec(w_ptr, offs_w)[None, :] + _vec(b_ptr, offs_w)[None, :]
+
+
+@triton.jit
+def _normalize_rows(x):
+    """F.normalize: x / max(||x||, 1e-12)."""
+    return x / tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), 1e-12)[:, None]
+
+
+@triton.jit
+def _lilicorr_head_kernel(
+        cand, cand_logp, slot_hidden, anchor, embed,
+        tok_w, hid_w, feat_ln_w, feat_ln_b, f1_w, f1_b, f2_w, f2_b, slot_emb, rank_emb,
+        ln1_w, ln1_b, qkv_w, qkv_b, o_w, o_b, ln2_w, ln2_b, m1_w, m1_b, m2_w, m2_b,
+        rel_bias, same_bias, anc_w, anc_b, fuse_w, fuse_b, out_w, in_w, a_w,
+        start_out, pair_out, ranks_out, tokens_out,
+        eps, feat_eps, scale,
+        S: tl.constexpr, K: tl.constexpr, BL: tl.constexpr, D: tl.constexpr, DW: tl.constexpr,
+        BD: tl.constexpr, WIDTH: tl.constexpr, HEADS: tl.constexpr, LAYERS: tl.constexpr,
+        MLP: tl.constexpr, BM: tl.constexpr, MAX_SLOTS: tl.constexpr, RANK_DEN: tl.constexpr,
+        PREC: tl.constexpr):
+    n = tl.program_id(0)
+    L: tl.constexpr = S * K
+    HD: tl.constexpr = WIDTH // HEADS
+    offs_l = tl.arange(0, BL)                      # lattice row = slot * K + rank
+    l_mask = offs_l < L
+    slot = offs_l // K
+    rank = offs_l % K
+    offs_w = tl.arange(0, WIDTH)
+    offs_d = tl.arange(0, BD)
+    offs_hd = tl.arange(0, HD)
+    offs_m = tl.arange(0, BM)
+
+    # -- per-candidate input: token_proj(E[c]) + hidden_proj(h_s) + feat_mlp(...) + embeddings
+    tok = tl.load(cand + n * L + offs_l, mask=l_mask, other=0)
+    x = tl.zeros([BL, WIDTH], dtype=tl.float32)
+    for d0 in tl.static_range(0, D, BD):
+        d = d0 + offs_d
+        e = tl.load(embed + tok[:, None] * D + d[None, :], mask=l_mask[:, None] & (d[None, :] < D), other=0.0)
+        w = tl.load(tok_w + d[:, None] * WIDTH + offs_w[None, :], mask=d[:, None] < D, other=0.0)
+        x += _dot(e, w, PREC)
+    for d0 in tl.static_range(0, DW, BD):
+        d = d0 + offs_d
+        hs = tl.load(slot_hidden + (n * S + slot[:, None]) * DW + d[None, :],
+                     mask=l_mask[:, None] & (d[None, :] < DW), other=0.0)
+        w = tl.load(hid_w + d[:, None] * WIDTH + offs_w[None, :], mask=d[:, None] < DW, other=0.0)
+        x += _dot(hs, w, PREC)
+
+    # the five log-prob features, LayerNorm(5), Linear(5, w) as five outer products, SiLU
+    logp = tl.maximum(tl.load(cand_logp + n * L + offs_l, mask=l_mask, other=0.0).to(tl.float32), -30.0)
+    best = tl.maximum(tl.load(cand_logp + n * L + slot * K, mask=l_mask, other=0.0).to(tl.float32), -30.0)
+    f0 = logp
+    f1 = tl.exp(logp)
+    f2 = logp - best
+    f3 = rank.to(tl.float32) / RANK_DEN
+    f4 = (rank == 0).to(tl.float32)
+    mean = (f0 + f1 + f2 + f3 + f4) / 5.0
+    var = ((f0 - mean) * (f0 - mean) + (f1 - mean) * (f1 - mean) + (f2 - mean) * (f2 - mean)
+           + (f3 - mean) * (f3 - mean) + (f4 - mean) * (f4 - mean)) / 5.0
+    inv = tl.rsqrt(var + feat_eps)
+    hid = tl.zeros([BL, WIDTH], dtype=tl.float32) + _vec(f1_b, offs_w)[None, :]
+    hid += (((f0 - mean) * inv * tl.load(feat_ln_w + 0) + tl.load(feat_ln_b + 0))[:, None]
+            * _vec(f1_w + 0 * WIDTH, offs_w)[None, :])
+    hid += (((f1 - mean) * inv * tl.load(feat_ln_w + 1) + tl.load(feat_ln_b + 1))[:, None]
+            * _vec(f1_w + 1 * WIDTH, offs_w)[None, :])
+    hid += (((f2 - mean) * inv * tl.load(feat_ln_w + 2) + tl.load(feat_ln_b + 2))[:, None]
+            * _vec(f1_w + 2 * WIDTH, offs_w)[None, :])
+    hid += (((f3 - mean) * inv * tl.load(feat_ln_w + 3) + tl.load(feat_ln_b + 3))[:, None]
+            * _vec(f1_w + 3 * WIDTH, offs_w)[None, :])
+    hid += (((f4 - mean) * inv * tl.load(feat_ln_w + 4) + tl.load(feat_ln_b + 4))[:, None]
+            * _vec(f1_w + 4 * WIDTH, offs_w)[None, :])
+    hid = hid * tl.sigmoid(hid)
+    x += _mm(hid, f2_w, WIDTH, offs_w, offs_w, PREC) + _vec(f2_b, offs_w)[None, :]
+    x += tl.load(slot_emb + slot[:, None] * WIDTH + offs_w[None, :], mask=l_mask[:, None], other=0.0).to(tl.float32)
+    x += tl.load(rank_emb + rank[:, None] * WIDTH + offs_w[None, :]).to(tl.float32)
+
+    # -- the lattice transformer: relative-slot + same-slot biases, padded columns masked
+    rel = slot[None, :] - slot[:, None] + MAX_SLOTS - 1
+    same = (slot[None, :] == slot[:, None]) & (offs_l[None, :] != offs_l[:, None])
+    col_ok = l_mask[None, :]
+    both = l_mask[:, None] & col_ok
+    for li in tl.static_range(LAYERS):
+        xn = _layer_norm(x, ln1_w + li * WIDTH, ln1_b + li * WIDTH, offs_w, WIDTH, eps)
+        attn = tl.zeros([BL, WIDTH], dtype=tl.float32)
+        for h in tl.static_range(HEADS):
+            qkv = qkv_w + li * WIDTH * 3 * WIDTH
+            cols = h * HD + offs_hd
+            q = _mm(xn, qkv, 3 * WIDTH, offs_w, cols, PREC) + _vec(qkv_b + li * 3 * WIDTH, cols)[None, :]
+            k = (_mm(xn, qkv, 3 * WIDTH, offs_w, WIDTH + cols, PREC)
+                 + _vec(qkv_b + li * 3 * WIDTH, WIDTH + cols)[None, :])
+            v = (_mm(xn, qkv, 3 * WIDTH, offs_w, 2 * WIDTH + cols, PREC)
+                 + _vec(qkv_b + li * 3 * WIDTH, 2 * WIDTH + cols)[None, :])
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") / math.sqrt(HD)
+            s += tl.load(rel_bias + h * (2 * MAX_SLOTS - 1) + rel, mask=both, other=0.0).to(tl.float32)
+            s += tl.where(same, tl.load(same_bias + h).to(tl.float32), 0.0)
+            s = tl.where(col_ok, s, float("-inf"))
+            p = tl.exp(s - tl.max(s, axis=1)[:, None])
+            p = p / tl.sum(p, axis=1)[:, None]
+            o = tl.dot(p, v, input_precision="ieee")
+            attn += _mm(o, o_w + li * WIDTH * WIDTH, WIDTH, cols, offs_w, PREC)
+        x += attn + _vec(o_b + li * WIDTH, offs_w)[None, :]
+        xn = _layer_norm(x, ln2_w + li * WIDTH, ln2_b + li * WIDTH, offs_w, WIDTH, eps)
+        y = tl.zeros([BL, WIDTH], dtype=tl.float32)
+        for m0 in tl.static_range(0, MLP, BM):
+            mid = _mm(xn, m1_w + li * WIDTH * MLP, MLP, offs_w, m0 + offs_m, PREC)
+            mid += _vec(m1_b + li * MLP, m0 + offs_m)[None, :]
+            mid = 0.5 * mid * (1.0 + tl.math.erf(mid * 0.7071067811865476))      # exact GELU
+            y += _mm(mid, m2_w + li * MLP * WIDTH, WIDTH, m0 + offs_m, offs_w, PREC)
+        x += y + _vec(m2_b + li * WIDTH, offs_w)[None, :]
+
+    # -- fusion with the anchor row: F = silu(W [x; a; x*a]); normalised out / in factors.
+    # a is held broadcast over the rows ([BL, w], rows equal) so every product is a tl.dot
+    a = tl.zeros([BL, WIDTH], dtype=tl.float32) + _vec(anc_b, offs_w)[None, :]
+    for d0 in tl.static_range(0, DW, BD):
+        d = d0 + offs_d
+        av = tl.load(anchor + n * DW + d, mask=d < DW, other=0.0).to(tl.float32)
+        w = tl.load(anc_w + d[:, None] * WIDTH + offs_w[None, :], mask=d[:, None] < DW, other=0.0)
+        a += _dot(tl.zeros([BL, BD], dtype=tl.float32) + av[None, :], w, PREC)
+    a = a.to(anc_w.dtype.element_ty).to(tl.float32)          # the module's a is a weight-dtype tensor
+    f = (_mm(x, fuse_w, WIDTH, offs_w, offs_w, PREC)
+         + _mm(a, fuse_w, WIDTH, WIDTH + offs_w, offs_w, PREC)
+         + _mm(x * a, fuse_w, WIDTH, 2 * WIDTH + offs_w, offs_w, PREC)
+         + _vec(fuse_b, offs_w)[None, :])
+    f = f * tl.sigmoid(f)
+    out = _normalize_rows(_mm(f, out_w, WIDTH, offs_w, offs_w, PREC))
+    inn = _normalize_rows(_mm(f, in_w, WIDTH, offs_w, offs_w, PREC))
+    aq = _normalize_rows(_mm(a, a_w, WIDTH, offs_w, offs_w, PREC))
+
+    # -- scores: every adjacent pair in one product, then keep the (s, s+1) blocks
+    g = scale * tl.dot(out, tl.trans(inn), input_precision="ieee")               # [BL, BL]
+    start = scale * tl.sum(inn * aq, axis=1)                                      # [BL]
+    pair_ok = (l_mask[:, None] & l_mask[None, :] & (slot[:, None] < S - 1)
+               & (slot[None, :] == slot[:, None] + 1))
+    tl.store(pair_out + n * (S - 1) * K * K + slot[:, None] * K * K + rank[:, None] * K + rank[None, :],
+             g, mask=pair_ok)
+    first = l_mask & (slot == 0)
+    tl.store(start_out + n * K + offs_l, start, mask=first)
+
+    # -- the greedy walk over the scores still in registers
+    pick = tl.argmax(tl.where(first, start, float("-inf")), axis=0)
+    tl.store(ranks_out + n * S, pick)
+    tl.store(tokens_out + n * S, tl.sum(tl.where(offs_l == pick, tok, 0), axis=0))
+    for s_i in tl.static_range(1, S):
+        row = tl.sum(tl.where(offs_l[:, None] == pick, g, 0.0), axis=0)
+        row = tl.where(l_mask & (slot == s_i), row, float("-inf"))
+        pick = tl.argmax(row, axis=0)
+        tl.store(ranks_out + n * S + s_i, pick - s_i * K)
+        tl.store(tokens_out + n * S + s_i, tl.sum(tl.where(offs_l == pick, tok, 0), axis=0))
+
+
+def _pow2(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+def unsupported(head: nn.Module, slots: int, top_k: int) -> str | None:
+    """Why this head / lattice cannot run fused (None when it can)."""
+    c = head.config
+    hd = c.width // c.heads
+    if not (_pow2(c.width) and _pow2(hd) and c.width % c.heads == 0):
+        return f"width {c.width} / {c.heads} heads: the kernel needs power-of-two widths of 16 or more"
+    if c.mlp_hidden % min(c.mlp_hidden, 128) or not _pow2(min(c.mlp_hidden, 128)):
+        return f"mlp hidden {c.mlp_hidden}: the kernel needs a multiple of a power of two >= 16"
+    if not (2 <= slots <= c.max_slots and 1 <= top_k <= c.max_k):
+        return f"lattice {slots} x {top_k} outside the head's {c.max_slots} x {c.max_k}"
+    return None
+
+
+class FusedLiLiCorrHead:
+    """A `LiLiCorrHead`'s weights, transposed once to [in, out], and the one-kernel forward.
+
+    `__call__(cand, cand_logp, slot_hidden, anchor)` returns fp32 start [N, k],
+    fp32 pair [N, S-1, k, k], the greedy walk's ranks [N, S] and its tokens [N, S]. The
+    packed copies are made at construction: rebuild after the head's weights change.
+    """
+
+    def __init__(self, head: nn.Module, slots: int, top_k: int, embed_weight: torch.Tensor):
+        why = unsupported(head, slots, top_k)
+        if why:
+            raise ValueError(f"the fused LiLiCorr head cannot run this lattice: {why}")
+        c = self.config = head.config
+        self.slots, self.top_k = slots, top_k
+        t = lambda lin: lin.weight.detach().t().contiguous()                      # noqa: E731
+        stack = lambda f: torch.stack([f(layer).detach() for layer in head.layers]).contiguous()  # noqa: E731
+        self.dtype = head.token_proj.weight.dtype
+        self.weights = [
+            t(head.token_proj), t(head.hidden_proj), head.feat_norm.weight.detach(), head.feat_norm.bias.detach(),
+            t(head.feat_mlp[0]), head.feat_mlp[0].bias.detach(), t(head.feat_mlp[2]), head.feat_mlp[2].bias.detach(),
+            head.slot_emb.weight.detach(), head.rank_emb.weight.detach(),
+            stack(lambda l: l.attn_norm.weight), stack(lambda l: l.attn_norm.bias),
+            stack(lambda l: l.qkv.weight.t()), stack(lambda l: l.qkv.bias),
+            stack(lambda l: l.o_proj.weight.t()), stack(lambda l: l.o_proj.bias),
+            stack(lambda l: l.mlp_norm.weight), stack(lambda l: l.mlp_norm.bias),
+            stack(lambda l: l.mlp[0].weight.t()), stack(lambda l: l.mlp[0].bias),
+            stack(lambda l: l.mlp[2].weight.t()), stack(lambda l: l.mlp[2].bias),
+            head.rel_slot_bias.detach().contiguous(), head.same_slot_bias.detach().contiguous(),
+            t(head.anchor_proj), head.anchor_proj.bias.detach(), t(head.fuse), head.fuse.bias.detach(),
+            t(head.w_out), t(head.w_in), t(head.w_a)]
+        self.embed = embed_weight.detach().to(self.dtype).contiguous()     # the target's, frozen
+        self.layers = len(head.layers)
+        # fp32 weights: IEEE fp32 products (tf32 would cost ~1e-3); bf16: native bf16 dots
+        self.precision = "ieee" if self.dtype == torch.float32 else "tf32"
+        if os.environ.get("TRITON_INTERPRET") == "1" and self.dtype != torch.float32:
+            self.precision = "emulate"
+        self.eps = head.layers[0].attn_norm.eps
+        self.feat_eps = head.feat_norm.eps
+
+    def __call__(self, cand: torch.Tensor, cand_logp: torch.Tensor, slot_hidden: torch.Tensor,
+                 anchor: torch.Tensor):
+        c, S, k = self.config, self.slots, self.top_k
+        N = cand.shape[0]
+        if cand.shape[1:] != (S, k) or cand_logp.shape != cand.shape:
+            raise ValueError(f"expected a lattice [N, {S}, {k}], got {tuple(cand.shape)}")
+        dev = cand.device
+        start = torch.empty(N, k, device=dev, dtype=torch.float32)
+        pair = torch.empty(N, S - 1, k, k, device=dev, dtype=torch.float32)
+        ranks = torch.empty(N, S, device=dev, dtype=torch.int64)
+        tokens = torch.empty(N, S, device=dev, dtype=torch.int64)
+        _lilicorr_head_kernel[(N,)](
+            cand.contiguous(), cand_logp.float().contiguous(), slot_hidden.to(self.dtype).contiguous(),
+            anchor.to(self.dtype).contiguous(), self.embed,
+            *self.weights, start, pair, ranks, tokens,
+            self.eps, self.feat_eps, float(c.scale),
+            S=S, K=k, BL=max(16, triton.next_power_of_2(S * k)), D=self.embed.shape[1], DW=c.drafter_width,
+            BD=64, WIDTH=c.width, HEADS=c.heads, LAYERS=self.layers, MLP=c.mlp_hidden,
+            BM=min(c.mlp_hidden, 128), MAX_SLOTS=c.max_slots, RANK_DEN=max(k - 1, 1),
+            PREC=self.precision, num_warps=4)
+        return start, pair, ranks, tokens
+
+
+__all__ = ["FusedLiLiCorrHead", "unsupported"]
