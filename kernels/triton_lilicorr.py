@@ -1,5 +1,6 @@
 """The whole LiLiCorr head in ONE Triton kernel: lattice features, the lattice transformer,
-fusion with the anchor row, every pair score and the greedy walk.
+fusion with the anchor row, every pair score and the greedy walk; and the lattice's top-k
+(log_softmax + top-k of each slot) in one more.
 
 The reference is `specla.drafters.lilicorr.LiLiCorrHead.forward` + `greedy_walk` (plain
 torch, the trained module itself). Why a kernel: the head is tiny (S x k = 7 x 8 = 56
@@ -81,7 +82,7 @@ def _lilicorr_head_kernel(
     rank = offs_l % K
     offs_w = tl.arange(0, WIDTH)
     offs_d = tl.arange(0, BD)
-    offs_hd = tl.arange(0, HD)
+    OP: tl.constexpr = tok_w.dtype.element_ty     # matmul operand dtype: the weights'
     offs_m = tl.arange(0, BM)
 
     # -- per-candidate input: token_proj(E[c]) + hidden_proj(h_s) + feat_mlp(...) + embeddings
@@ -127,31 +128,34 @@ def _lilicorr_head_kernel(
     x += tl.load(slot_emb + slot[:, None] * WIDTH + offs_w[None, :], mask=l_mask[:, None], other=0.0).to(tl.float32)
     x += tl.load(rank_emb + rank[:, None] * WIDTH + offs_w[None, :]).to(tl.float32)
 
-    # -- the lattice transformer: relative-slot + same-slot biases, padded columns masked
+    # -- the lattice transformer: relative-slot + same-slot biases, padded columns masked.
+    # q, k, v are whole [BL, w] products (three weight tiles a layer, not 3 x heads slices);
+    # head h attends with the columns of the other heads zeroed, which costs a few more
+    # tensor-core MACs and saves the many small serial loads that bound this kernel
     rel = slot[None, :] - slot[:, None] + MAX_SLOTS - 1
     same = (slot[None, :] == slot[:, None]) & (offs_l[None, :] != offs_l[:, None])
     col_ok = l_mask[None, :]
     both = l_mask[:, None] & col_ok
+    col_head = offs_w // HD
     for li in tl.static_range(LAYERS):
         xn = _layer_norm(x, ln1_w + li * WIDTH, ln1_b + li * WIDTH, offs_w, WIDTH, eps)
+        qkv = qkv_w + li * WIDTH * 3 * WIDTH
+        q = _mm(xn, qkv, 3 * WIDTH, offs_w, offs_w, PREC) + _vec(qkv_b + li * 3 * WIDTH, offs_w)[None, :]
+        k = (_mm(xn, qkv, 3 * WIDTH, offs_w, WIDTH + offs_w, PREC)
+             + _vec(qkv_b + li * 3 * WIDTH, WIDTH + offs_w)[None, :]).to(OP)
+        v = (_mm(xn, qkv, 3 * WIDTH, offs_w, 2 * WIDTH + offs_w, PREC)
+             + _vec(qkv_b + li * 3 * WIDTH, 2 * WIDTH + offs_w)[None, :]).to(OP)
         attn = tl.zeros([BL, WIDTH], dtype=tl.float32)
         for h in tl.static_range(HEADS):
-            qkv = qkv_w + li * WIDTH * 3 * WIDTH
-            cols = h * HD + offs_hd
-            q = _mm(xn, qkv, 3 * WIDTH, offs_w, cols, PREC) + _vec(qkv_b + li * 3 * WIDTH, cols)[None, :]
-            k = (_mm(xn, qkv, 3 * WIDTH, offs_w, WIDTH + cols, PREC)
-                 + _vec(qkv_b + li * 3 * WIDTH, WIDTH + cols)[None, :])
-            v = (_mm(xn, qkv, 3 * WIDTH, offs_w, 2 * WIDTH + cols, PREC)
-                 + _vec(qkv_b + li * 3 * WIDTH, 2 * WIDTH + cols)[None, :])
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") / math.sqrt(HD)
+            in_h = (col_head == h)[None, :]
+            s = _dot(tl.where(in_h, q, 0.0), tl.trans(k), PREC) * (1.0 / math.sqrt(HD))
             s += tl.load(rel_bias + h * (2 * MAX_SLOTS - 1) + rel, mask=both, other=0.0).to(tl.float32)
             s += tl.where(same, tl.load(same_bias + h).to(tl.float32), 0.0)
             s = tl.where(col_ok, s, float("-inf"))
             p = tl.exp(s - tl.max(s, axis=1)[:, None])
             p = p / tl.sum(p, axis=1)[:, None]
-            o = tl.dot(p, v, input_precision="ieee")
-            attn += _mm(o, o_w + li * WIDTH * WIDTH, WIDTH, cols, offs_w, PREC)
-        x += attn + _vec(o_b + li * WIDTH, offs_w)[None, :]
+            attn += _dot(p, tl.where(in_h, v, tl.zeros_like(v)), PREC)
+        x += _mm(attn, o_w + li * WIDTH * WIDTH, WIDTH, offs_w, offs_w, PREC) + _vec(o_b + li * WIDTH, offs_w)[None, :]
         xn = _layer_norm(x, ln2_w + li * WIDTH, ln2_b + li * WIDTH, offs_w, WIDTH, eps)
         y = tl.zeros([BL, WIDTH], dtype=tl.float32)
         for m0 in tl.static_range(0, MLP, BM):
@@ -199,6 +203,40 @@ def _lilicorr_head_kernel(
         pick = tl.argmax(row, axis=0)
         tl.store(ranks_out + n * S + s_i, pick - s_i * K)
         tl.store(tokens_out + n * S + s_i, tl.sum(tl.where(offs_l == pick, tok, 0), axis=0))
+
+
+@triton.jit
+def _lattice_topk_kernel(logits, cand, cand_logp, V, K: tl.constexpr, BV: tl.constexpr):
+    """One slot's top-K tokens and log-probs (log_softmax values, best first; the first
+    index on ties). One program per slot: the row sits in registers, K max-and-mask passes."""
+    r = tl.program_id(0)
+    offs = tl.arange(0, BV)
+    x = tl.load(logits + r * V + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, axis=0)
+    lse = m + tl.log(tl.sum(tl.exp(x - m), axis=0))
+    for j in tl.static_range(K):
+        val, idx = tl.max(x, axis=0, return_indices=True)
+        tl.store(cand + r * K + j, idx)
+        tl.store(cand_logp + r * K + j, val - lse)
+        x = tl.where(offs == idx, float("-inf"), x)
+
+
+MAX_TOPK_VOCAB = 65536        # a row in one program's registers; larger vocabularies use torch
+
+
+def lattice_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`specla.drafters.lilicorr.candidates` as one kernel: logits [N, S, V] (fp32) ->
+    tokens [N, S, k] (int64) and their log-probs [N, S, k] (fp32)."""
+    N, S, V = logits.shape
+    if V > MAX_TOPK_VOCAB:
+        top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        return top.indices, top.values
+    logits = logits.float().contiguous()
+    cand = torch.empty(N, S, k, device=logits.device, dtype=torch.int64)
+    cand_logp = torch.empty(N, S, k, device=logits.device, dtype=torch.float32)
+    _lattice_topk_kernel[(N * S,)](logits, cand, cand_logp, V, K=k, BV=triton.next_power_of_2(V),
+                                   num_warps=8 if V > 8192 else 4)
+    return cand, cand_logp
 
 
 def _pow2(n: int) -> bool:
@@ -274,10 +312,16 @@ class FusedLiLiCorrHead:
             *self.weights, start, pair, ranks, tokens,
             self.eps, self.feat_eps, float(c.scale),
             S=S, K=k, BL=max(16, triton.next_power_of_2(S * k)), D=self.embed.shape[1], DW=c.drafter_width,
-            BD=64, WIDTH=c.width, HEADS=c.heads, LAYERS=self.layers, MLP=c.mlp_hidden,
+            BD=128, WIDTH=c.width, HEADS=c.heads, LAYERS=self.layers, MLP=c.mlp_hidden,
             BM=min(c.mlp_hidden, 128), MAX_SLOTS=c.max_slots, RANK_DEN=max(k - 1, 1),
-            PREC=self.precision, num_warps=4)
+            PREC=self.precision, num_warps=8)
         return start, pair, ranks, tokens
 
+    def draft(self, logits: torch.Tensor, slot_hidden: torch.Tensor, anchor: torch.Tensor):
+        """Slot logits [N, S, V] -> (candidates, their log-probs, start, pair, ranks, tokens):
+        `specla.drafters.lilicorr.lattice` + `greedy_walk` in two kernels."""
+        cand, cand_logp = lattice_topk(logits, self.top_k)
+        return (cand, cand_logp, *self(cand, cand_logp, slot_hidden, anchor))
 
-__all__ = ["FusedLiLiCorrHead", "unsupported"]
+
+__all__ = ["FusedLiLiCorrHead", "lattice_topk", "unsupported"]

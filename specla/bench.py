@@ -716,8 +716,8 @@ HEAD_SHARES = [  # (result key, LiLiCorr row label), each against the block row 
 
 def head_alone_cost(rt, drafter, settings, prompt: list[int], inner: int = 20, repeats: int = 30) -> dict:
     """GPU ms of the LiLiCorr head's work in one device draft, on a real lattice (the block
-    pass after `prompt`): the torch ops (top-k, head, walk, gather) against the fused kernel
-    (top-k + one kernel), next to the block chain's own pick (log_softmax + argmax) and the
+    pass after `prompt`): the torch ops (top-k, head, walk, gather) against the fused kernels
+    (top-k, then head + walk), next to the block chain's own pick (log_softmax + argmax) and the
     block pass. Each is captured `inner` times in one graph, so the per-call figure carries
     no replay launch; medians of `repeats` replays."""
     from specla import cuda_graphs as cg
@@ -739,7 +739,7 @@ def head_alone_cost(rt, drafter, settings, prompt: list[int], inner: int = 20, r
         calls = {"block_pass": lambda: dev.slot_logits(root),
                  "block_pick": lambda: torch.log_softmax(logits[0], dim=-1).argmax(-1),
                  "torch_head": torch_head,
-                 "fused_head": lambda: dev.fused_head(*candidates(logits, dev.top_k), h, anchor),
+                 "fused_head": lambda: dev.fused_head.draft(logits, h, anchor),
                  "fused_kernel_only": lambda: dev.fused_head(cand, cand_logp, h, anchor)}
         out = {"slots": dev.slots, "top_k": dev.top_k, "inner": inner, "repeats": repeats}
         for name, fn in calls.items():

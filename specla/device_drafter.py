@@ -12,7 +12,7 @@ does for the device oracle:
               an index_select with a device index (no host sync, no data-dependent shape)
     propose   the block pass over the W-row window with a validity mask, then the chain:
               top-1 of every slot (block), or the LiLiCorr lattice + head + greedy walk
-              (on CUDA the head and walk are one Triton kernel, `kernels/triton_lilicorr.py`,
+              (on CUDA top-k, head and walk are two Triton kernels, `kernels/triton_lilicorr.py`,
               instead of ~100 torch ops); the tokens go into `spec.tokens[0, 1:]`
 
 The window holds n <= W valid rows right-aligned (invalid rows first). `BlockNet.forward`
@@ -36,7 +36,7 @@ import torch
 from specla import cuda_graphs as cg
 from specla.drafters.base import DraftSettings
 from specla.drafters.block import BlockDrafter
-from specla.drafters.lilicorr import LiLiCorrDrafter, candidates, greedy_walk, lattice
+from specla.drafters.lilicorr import LiLiCorrDrafter, greedy_walk, lattice
 from specla.tree import DraftTree
 
 
@@ -186,8 +186,7 @@ class DeviceChainDrafter:
         # LiLiCorr anchors on the newest context row (zeros before there is any)
         anchor = torch.where(self.valid[-1], self.ctx[-1], torch.zeros_like(self.ctx[-1]))[None]
         if self.fused_head is not None:
-            cand, cand_logp = candidates(logits, self.top_k)
-            tokens = self.fused_head(cand, cand_logp, h, anchor)[3][0]
+            tokens = self.fused_head.draft(logits, h, anchor)[5][0]
         else:
             cand, _, start, pair = lattice(self.parts, self.net.head, logits, h, anchor, self.top_k)
             ranks = greedy_walk(start, pair)                                # [1, S]

@@ -237,6 +237,22 @@ def check_lilicorr_head(shape: str, dtype, device, seed: int = 0, N: int = 2) ->
     return problems
 
 
+def check_lattice_topk(N: int, S: int, V: int, k: int, device, seed: int = 0) -> list[str]:
+    """The top-k kernel against `candidates` (log_softmax + topk): the same tokens in the same
+    order (random logits have no ties) and log-probs to fp32 rounding."""
+    from kernels.triton_lilicorr import lattice_topk
+    from specla.drafters.lilicorr import candidates
+    logits = (torch.randn(N, S, V, generator=torch.Generator().manual_seed(seed)) * 4).to(device)
+    cand, logp = lattice_topk(logits, k)
+    want_cand, want_logp = candidates(logits.cpu(), k)
+    problems = []
+    if not torch.equal(cand.cpu(), want_cand):
+        problems.append("top-k tokens differ")
+    if not (logp.cpu() - want_logp).abs().max().item() < 1e-4:
+        problems.append(f"log-probs differ by {(logp.cpu() - want_logp).abs().max().item():.2e}")
+    return problems
+
+
 # ---------------------------------------------------------------------------------------
 # CUDA
 # ---------------------------------------------------------------------------------------
@@ -309,8 +325,14 @@ def test_conv_gates_matches_reference(topo_name, n, H, K, V, W, bias, dtype):
 
 
 @needs_cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("shape", list(HEAD_SHAPES))
+@pytest.mark.parametrize("N,S,V,k", [(1, 7, 4096, 4), (1, 7, 4096, 8), (2, 15, 32000, 8), (1, 3, 50, 1)])
+def test_lattice_topk_matches_candidates(N, S, V, k):
+    assert not check_lattice_topk(N, S, V, k, "cuda", seed=V + k)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype,shape", [(torch.bfloat16, "embedded"), (torch.float32, "embedded"),
+                                         (torch.float32, "odd"), (torch.bfloat16, "deep")], ids=str)
 def test_lilicorr_head_matches_module(shape, dtype):
     assert not check_lilicorr_head(shape, dtype, "cuda", seed=len(shape))
 
@@ -441,6 +463,8 @@ def interpreter_cases(group: str):
                                p, H, K, V, W, dt, bias, dev, seed=len(p) + H))
         return
     if group == "lilicorr":
+        for N, S, V, k in ((1, 7, 4096, 8), (2, 3, 50, 4), (1, 15, 300, 1)):
+            yield f"lattice_topk-N{N}-S{S}-V{V}-k{k}", lambda a=(N, S, V, k): check_lattice_topk(*a, dev)
         for shape in HEAD_SHAPES:
             for dtype in (torch.float32, torch.bfloat16):
                 yield (f"lilicorr-{shape}-{dtype}",
