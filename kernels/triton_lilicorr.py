@@ -11,7 +11,7 @@ walks it through every layer; weights stream from L2, pre-transposed once to [in
 
 Arithmetic: fp32 activations and accumulators; matmul operands are rounded to the weight
 dtype (bf16 on the GPU, so its scores differ from the bf16 module's by bf16 rounding; fp32
-weights use IEEE fp32 products and match the module to ~1e-5). Scores are fp32 like the
+weights use tf32x3 products and match the module to ~1e-5). Scores are fp32 like the
 module's. The walk is `greedy_walk` on the kernel's own scores: start argmax, then the
 argmax of the row out of the previous pick, first index on ties (as torch.argmax).
 """
@@ -288,8 +288,9 @@ class FusedLiLiCorrHead:
             t(head.w_out), t(head.w_in), t(head.w_a)]
         self.embed = embed_weight.detach().to(self.dtype).contiguous()     # the target's, frozen
         self.layers = len(head.layers)
-        # fp32 weights: IEEE fp32 products (tf32 would cost ~1e-3); bf16: native bf16 dots
-        self.precision = "ieee" if self.dtype == torch.float32 else "tf32"
+        # fp32 weights: tf32x3 products (fp32-accurate on tensor cores; plain tf32 would cost
+        # ~1e-3, and IEEE FMA dots made this kernel slow to compile and run); bf16: bf16 dots
+        self.precision = "tf32x3" if self.dtype == torch.float32 else "tf32"
         if os.environ.get("TRITON_INTERPRET") == "1" and self.dtype != torch.float32:
             self.precision = "emulate"
         self.eps = head.layers[0].attn_norm.eps

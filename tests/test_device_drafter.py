@@ -390,7 +390,7 @@ def test_compiled_device_drafter_graphed_equals_graphed_ar(kind):
 @pytest.mark.gpu
 def test_fused_head_decoder_equals_torch_head():
     """The LiLiCorr head as one Triton kernel inside the step graph: exactly AR, and (fp32,
-    IEEE products) the same chains as the torch head, so the same accept lengths."""
+    tf32x3 products) the same chains as the torch head, so the same accept lengths."""
     drafter, rt, ar, settings, prompt = _small_cuda_pair("lilicorr")
     n = 64
     pre = rt.prefill(prompt, tuple(drafter.feature_layers))
