@@ -331,8 +331,8 @@ def test_lattice_topk_matches_candidates(N, S, V, k):
 
 
 @needs_cuda
-@pytest.mark.parametrize("dtype,shape", [(torch.bfloat16, "embedded"), (torch.float32, "embedded"),
-                                         (torch.float32, "odd"), (torch.bfloat16, "deep")], ids=str)
+@pytest.mark.parametrize("dtype,shape", [(torch.bfloat16, "embedded"), (torch.float32, "odd"),
+                                         (torch.bfloat16, "deep"), (torch.float32, "embedded")], ids=str)
 def test_lilicorr_head_matches_module(shape, dtype):
     assert not check_lilicorr_head(shape, dtype, "cuda", seed=len(shape))
 
