@@ -1267,7 +1267,58 @@ def _md_e2e(e: dict) -> list[str]:
                               f"phases, {num(dev['lilicorr_draft_ms'])} vs {num(dev['block_draft_ms'])} ms: "
                               f"{num(dev['head_share_of_gpu_step'])} of the GPU step)."]
             lines.append("")
-    return lines
+    return lines + _md_targets(e)
+
+
+# issue #6's targets, all at temperature 0 and exact: the 1.3B shape with the oracle drafter at
+# acceptance 0.8, and the embedded pair with its best real drafter on the H200 and the CPU
+TARGETS = {"oracle": 2.5, "pair_cuda": 2.5, "pair_cpu": 1.5}
+
+
+def _exact(r: dict) -> bool:
+    ex = r.get("exact") or {}
+    return ex.get("mismatching_prompts", ex.get("unexcused", 1)) == 0
+
+
+def targets(e: dict) -> list[dict]:
+    """Each target against the best exact row that it applies to: met or missed by how much,
+    the row's time split, and the speedup it would have if drafting cost nothing (tau x t_AR
+    over the step without its draft phase), which says whether a better drafter could meet it."""
+    out = []
+    o, p = e.get("oracle") or {}, e.get("pair") or {}
+    groups = [("oracle", "1.3B shape, oracle drafter at alpha 0.8",
+               [r for r in o.get("rows") or [] if r.get("alpha") == 0.8]),
+              (f"pair_{p.get('device', 'cuda')}", f"embedded pair, best real drafter ({p.get('device', 'cuda')})",
+               p.get("rows") or [])]
+    for key, what, rows in groups:
+        rows = [r for r in rows if "speedup" in r and _exact(r)]
+        if not rows or key not in TARGETS:
+            continue
+        best = max(rows, key=lambda r: r["speedup"])
+        split = best["time_split_ms_per_step"]
+        no_draft = sum(v for k, v in split.items() if k != "draft")
+        t_ar = best["ar_ms_per_token"]
+        t_ar = t_ar["median"] if isinstance(t_ar, dict) else t_ar     # the oracle rows keep one AR figure
+        goal = TARGETS[key]
+        out.append({"target": key, "what": what, "goal": goal, "row": best.get("name"),
+                    "speedup": best["speedup"], "met": best["speedup"] >= goal,
+                    "missed_by": None if best["speedup"] >= goal else goal / best["speedup"],
+                    "split_ms_per_step": split,
+                    "free_draft_bound": best["tau"] * t_ar / no_draft if no_draft > 0 else None})
+    return out
+
+
+def _md_targets(e: dict) -> list[str]:
+    found = targets(e)
+    if not found:
+        return []
+    lines = ["### Targets (exact rows only)", ""]
+    for t in found:
+        split = ", ".join(f"{k} {v:.3f}" for k, v in t["split_ms_per_step"].items())
+        verdict = "met" if t["met"] else f"missed by a factor of {t['missed_by']:.2f}"
+        lines.append(f"- {t['what']}: target {t['goal']}x, best {t['speedup']:.2f}x ({t['row']}), {verdict}. "
+                     f"Its step (ms): {split}; with a free draft it would make {num(t['free_draft_bound'], 2)}x.")
+    return lines + [""]
 
 
 def _md_row(r: dict) -> str:

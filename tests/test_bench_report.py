@@ -192,3 +192,31 @@ def test_device_variants_cover_every_head_share():
     assert fused == {"chain (device-graphed, fused head)", "chain (device-graphed, compiled, fused head)"}
     assert not any(c for _, c, _, _ in bench.device_variants({"lilicorr": None, "block": None}, False))
     assert [k for k, *_ in bench.device_variants({"block": None}, False)] == ["block"]
+
+
+def test_targets_say_met_or_by_how_much_missed():
+    """The report's verdicts come from the best exact row of each group, the shortfall is the
+    target over that speedup, and the free-draft bound drops the draft phase from the step."""
+    def row(name, speedup, tau, split, exact=0, alpha=None):
+        r = {"name": name, "speedup": speedup, "tau": tau, "ar_ms_per_token": {"median": 0.2},
+             "time_split_ms_per_step": split, "exact": {"prompts": 8, "unexcused": exact}}
+        return {**r, "alpha": alpha} if alpha is not None else r
+    oracle_row = row("chain-8", 3.1, 4.7, {"verify": 1.9, "accept_commit": 0.2, "draft": 0.03}, alpha=0.8)
+    oracle_row["ar_ms_per_token"] = 1.44                  # the oracle sweep keeps a single AR figure
+    e = {"oracle": {"rows": [oracle_row,
+                             row("chain-16", 5.0, 9.0, {"verify": 2.0, "draft": 0.03}, alpha=0.9)]},
+         "pair": {"device": "cuda", "rows": [
+             row("block", 0.8, 2.4, {"verify": 0.28, "accept_commit": 0.12, "draft": 0.12}),
+             row("wrong", 9.0, 5.0, {"verify": 0.1, "draft": 0.1}, exact=2),       # not exact: ignored
+             {"name": "cut", "skipped": "deadline"}]}}
+    found = {t["target"]: t for t in bench.targets(e)}
+    assert found["oracle"]["met"] and found["oracle"]["row"] == "chain-8" and found["oracle"]["missed_by"] is None
+    assert math.isclose(found["oracle"]["free_draft_bound"], 4.7 * 1.44 / 2.1)
+    pair = found["pair_cuda"]
+    assert pair["row"] == "block" and not pair["met"]
+    assert math.isclose(pair["missed_by"], 2.5 / 0.8)
+    assert math.isclose(pair["free_draft_bound"], 2.4 * 0.2 / 0.40)
+    text = "\n".join(bench._md_targets(e))
+    assert "missed by a factor of 3.12" in text and "target 2.5x, best 3.10x (chain-8), met" in text
+    e["pair"]["device"] = "cpu"
+    assert bench.targets(e)[1]["goal"] == 1.5
