@@ -364,42 +364,35 @@ def test_trained_pair_bf16_graphed(kind):
     assert tokens / steps > 1.4, f"tau {tokens / steps:.2f}: the trained {kind} drafter barely drafts"
 
 
-@needs_cuda
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", KINDS)
-def test_compiled_device_drafter_graphed_equals_graphed_ar(kind):
-    """torch.compile'd drafting captured in the step graph: still exactly AR (the target picks
-    every token), and the same chains as the uncompiled drafter up to fused-kernel rounding,
-    so (fp32) the same accept lengths."""
-    from specla.device_drafter import DeviceDraftDecoder
-
+def _decoders_agree(kind: str, option: str) -> DeviceDraftDecoder:
+    """Decode with the device drafter, `option` off and on: both exactly AR (the target picks
+    every token) and, in fp32, the same accept lengths. Returns the decoder with it on."""
     drafter, rt, ar, settings, prompt = _small_cuda_pair(kind)
     n = 64
     pre = rt.prefill(prompt, tuple(drafter.feature_layers))
     ar.reset(pre[0], prompt[-1])
     want = ar.decode(n)
     runs = {}
-    for compiled in (False, True):
-        dec = DeviceDraftDecoder(rt, drafter, settings, capacity=n + 16, compile=compiled)
-        runs[compiled] = dec.generate(prompt, n, reference=want, prefilled=pre)
-        assert runs[compiled].tokens[:n] == want and runs[compiled].divergence is None
+    for on in (False, True):
+        dec = DeviceDraftDecoder(rt, drafter, settings, capacity=n + 16, **{option: on})
+        runs[on] = dec.generate(prompt, n, reference=want, prefilled=pre)
+        assert runs[on].tokens[:n] == want and runs[on].divergence is None, f"{option}={on} left AR"
     assert runs[True].accepted == runs[False].accepted
+    return dec
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_compiled_device_drafter_graphed_equals_graphed_ar(kind):
+    """torch.compile'd drafting captured in the step graph: the same chains as the
+    uncompiled drafter up to fused-kernel rounding."""
+    assert _decoders_agree(kind, "compile").drafter.compiled
 
 
 @needs_cuda
 @pytest.mark.gpu
 def test_fused_head_decoder_equals_torch_head():
-    """The LiLiCorr head as one Triton kernel inside the step graph: exactly AR, and (fp32,
-    tf32x3 products) the same chains as the torch head, so the same accept lengths."""
-    drafter, rt, ar, settings, prompt = _small_cuda_pair("lilicorr")
-    n = 64
-    pre = rt.prefill(prompt, tuple(drafter.feature_layers))
-    ar.reset(pre[0], prompt[-1])
-    want = ar.decode(n)
-    runs = {}
-    for fused in (False, True):
-        dec = DeviceDraftDecoder(rt, drafter, settings, capacity=n + 16, fused_head=fused)
-        assert (dec.drafter.fused_head is not None) == fused
-        runs[fused] = dec.generate(prompt, n, reference=want, prefilled=pre)
-        assert runs[fused].tokens[:n] == want and runs[fused].divergence is None
-    assert runs[True].accepted == runs[False].accepted
+    """The LiLiCorr head as Triton kernels inside the step graph: (fp32, tf32x3 products) the
+    same chains as the torch head."""
+    assert _decoders_agree("lilicorr", "fused_head").drafter.fused_head is not None
