@@ -243,6 +243,9 @@ def _pow2(n: int) -> bool:
     return n >= 16 and n & (n - 1) == 0
 
 
+MAX_FP32_WIDTH = 64      # fp32 operand tiles at width 128 spill registers (see `unsupported`)
+
+
 def unsupported(head: nn.Module, slots: int, top_k: int) -> str | None:
     """Why this head / lattice cannot run fused (None when it can)."""
     c = head.config
@@ -253,6 +256,10 @@ def unsupported(head: nn.Module, slots: int, top_k: int) -> str | None:
         return f"mlp hidden {c.mlp_hidden}: the kernel needs a multiple of a power of two >= 16"
     if not (2 <= slots <= c.max_slots and 1 <= top_k <= c.max_k):
         return f"lattice {slots} x {top_k} outside the head's {c.max_slots} x {c.max_k}"
+    if (head.token_proj.weight.dtype == torch.float32 and c.width > MAX_FP32_WIDTH
+            and os.environ.get("TRITON_INTERPRET") != "1"):
+        return (f"fp32 weights at width {c.width}: on an H200 this variant did not finish compiling "
+                f"in 95 s (measured up to width {MAX_FP32_WIDTH}); cast the drafter to bf16")
     return None
 
 

@@ -46,9 +46,9 @@ class DeviceChainDrafter:
     block_size: slots of the block pass (root included; default the trained size); the
     LiLiCorr lattice spans all of them. budget: drafted chain length (default all slots).
     top_k: LiLiCorr lattice width; None or 1, or a drafter without a head, gives the block
-    drafter's top-1 chain. fused_head: run the LiLiCorr head and walk as one Triton kernel
-    (None: where it is measured, i.e. on CUDA for a supported head shape in bf16, or fp32 up
-    to width 64; True: wherever it can run; False: torch ops).
+    drafter's top-1 chain. fused_head: run the LiLiCorr head and walk as Triton kernels
+    (None: wherever `kernels.triton_lilicorr.unsupported` allows, i.e. on CUDA for a
+    supported head shape; True: the same, or an error saying why not; False: torch ops).
     """
 
     def __init__(self, drafter: BlockDrafter, block_size: int | None = None, top_k: int | None = None,
@@ -103,12 +103,6 @@ class DeviceChainDrafter:
                 why = f"Triton is not importable ({err})"
             else:
                 why = unsupported(self.net.head, self.slots, self.top_k)
-        head = self.net.head
-        if why is None and wanted is None and head.token_proj.weight.dtype == torch.float32 \
-                and head.config.width > 64:
-            # measured on the H200: bf16 at width 128, fp32 up to width 32; the fp32 variant at
-            # width 128 did not finish compiling within a test's limit (register spills)
-            why = "an fp32 head wider than 64 (slow to compile; cast the drafter to bf16)"
         if why is None:
             from kernels.triton_lilicorr import FusedLiLiCorrHead
             return FusedLiLiCorrHead(self.net.head, self.slots, self.top_k, self.parts.embed_weight)
