@@ -65,43 +65,94 @@ def _normalize_rows(x):
 
 
 @triton.jit
+def _rows_mm(row_ptrs, row_ok, w_ptr, cols, DEPTH: tl.constexpr, WIDTH: tl.constexpr, ROWS: tl.constexpr,
+             BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
+    """Rows gathered through `row_ptrs` [ROWS] (DEPTH values each) @ columns `cols` of a
+    row-major [DEPTH, WIDTH] weight -> fp32 [ROWS, BN]."""
+    offs_d = tl.arange(0, BD)
+    acc = tl.zeros([ROWS, BN], dtype=tl.float32)
+    for d0 in tl.range(0, DEPTH, BD):
+        d = d0 + offs_d
+        x = tl.load(row_ptrs[:, None] + d[None, :], mask=row_ok[:, None] & (d[None, :] < DEPTH), other=0.0)
+        w = tl.load(w_ptr + d[:, None] * WIDTH + cols[None, :], mask=d[:, None] < DEPTH, other=0.0)
+        acc += _dot(x, w, PREC)
+    return acc
+
+
+@triton.jit
+def _lattice_inputs_kernel(cand, slot_hidden, anchor, embed, tok_w, hid_w, anc_w, anc_b,
+                           tok_out, hid_out, anc_out,
+                           S: tl.constexpr, K: tl.constexpr, BL: tl.constexpr, BS: tl.constexpr,
+                           D: tl.constexpr, DW: tl.constexpr, WIDTH: tl.constexpr, BN: tl.constexpr,
+                           BD: tl.constexpr, PREC: tl.constexpr):
+    """The head's three input projections, which read the wide (target / drafter width)
+    tensors: token_proj(E[c]) for the S*K candidates, hidden_proj(h) for the S slots (not for
+    every candidate: a slot's K rows share it) and anchor_proj(anchor). Grid (WIDTH / BN, 3, N):
+    each program one BN-column strip of one projection, so the [D, WIDTH] weights are read by
+    WIDTH / BN programs in parallel instead of one after another by the head's program."""
+    strip, role, n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    cols = strip * BN + tl.arange(0, BN)
+    L: tl.constexpr = S * K
+    if role == 0:
+        rows = tl.arange(0, BL)
+        ok = rows < L
+        tok = tl.load(cand + n * L + rows, mask=ok, other=0)
+        x = _rows_mm(embed + tok * D, ok, tok_w, cols, D, WIDTH, BL, BN, BD, PREC)
+        tl.store(tok_out + (n * L + rows[:, None]) * WIDTH + cols[None, :], x, mask=ok[:, None])
+    elif role == 1:
+        rows = tl.arange(0, BS)
+        ok = rows < S
+        x = _rows_mm(slot_hidden + (n * S + rows) * DW, ok, hid_w, cols, DW, WIDTH, BS, BN, BD, PREC)
+        tl.store(hid_out + (n * S + rows[:, None]) * WIDTH + cols[None, :], x, mask=ok[:, None])
+    else:
+        # one row: a vector-matrix product on the CUDA cores, no tensor-core tile to fill
+        offs_d = tl.arange(0, BD)
+        a = _vec(anc_b, cols)
+        for d0 in tl.range(0, DW, BD):
+            d = d0 + offs_d
+            av = tl.load(anchor + n * DW + d, mask=d < DW, other=0.0).to(tl.float32)
+            w = tl.load(anc_w + d[:, None] * WIDTH + cols[None, :], mask=d[:, None] < DW, other=0.0)
+            a += tl.sum(av[:, None] * w.to(tl.float32), axis=0)
+        # the module's a is a weight-dtype tensor
+        tl.store(anc_out + n * WIDTH + cols, a.to(anc_w.dtype.element_ty).to(tl.float32))
+
+
+@triton.jit
+def _row_times(v, w_ptr, row0, offs_w, WIDTH: tl.constexpr):
+    """One row v [WIDTH] @ rows row0 .. row0+WIDTH of a row-major [in, WIDTH] weight -> [WIDTH]."""
+    w = tl.load(w_ptr + (row0 + offs_w[:, None]) * WIDTH + offs_w[None, :]).to(tl.float32)
+    return tl.sum(v[:, None] * w, axis=0)
+
+
+@triton.jit
 def _lilicorr_head_kernel(
-        cand, cand_logp, slot_hidden, anchor, embed,
-        tok_w, hid_w, feat_ln_w, feat_ln_b, f1_w, f1_b, f2_w, f2_b, slot_emb, rank_emb,
+        cand, cand_logp, tok_x, hid_x, anc_x,
+        feat_ln_w, feat_ln_b, f1_w, f1_b, f2_w, f2_b, slot_emb, rank_emb,
         ln1_w, ln1_b, qkv_w, qkv_b, o_w, o_b, ln2_w, ln2_b, m1_w, m1_b, m2_w, m2_b,
-        rel_bias, same_bias, anc_w, anc_b, fuse_w, fuse_b, out_w, in_w, a_w,
+        rel_bias, same_bias, fuse_w, fuse_b, out_w, in_w, a_w,
         start_out, pair_out, ranks_out, tokens_out,
         eps, feat_eps, scale,
-        S: tl.constexpr, K: tl.constexpr, BL: tl.constexpr, D: tl.constexpr, DW: tl.constexpr,
-        BD: tl.constexpr, WIDTH: tl.constexpr, HEADS: tl.constexpr, LAYERS: tl.constexpr,
+        S: tl.constexpr, K: tl.constexpr, BL: tl.constexpr,
+        WIDTH: tl.constexpr, HEADS: tl.constexpr, LAYERS: tl.constexpr,
         MLP: tl.constexpr, BM: tl.constexpr, MAX_SLOTS: tl.constexpr, RANK_DEN: tl.constexpr,
         PREC: tl.constexpr):
     n = tl.program_id(0)
     L: tl.constexpr = S * K
     HD: tl.constexpr = WIDTH // HEADS
+    HB: tl.constexpr = HEADS * BL
     offs_l = tl.arange(0, BL)                      # lattice row = slot * K + rank
     l_mask = offs_l < L
     slot = offs_l // K
     rank = offs_l % K
     offs_w = tl.arange(0, WIDTH)
-    offs_d = tl.arange(0, BD)
-    OP: tl.constexpr = tok_w.dtype.element_ty     # matmul operand dtype: the weights'
+    OP: tl.constexpr = f2_w.dtype.element_ty      # matmul operand dtype: the weights'
     offs_m = tl.arange(0, BM)
 
-    # -- per-candidate input: token_proj(E[c]) + hidden_proj(h_s) + feat_mlp(...) + embeddings
+    # -- per-candidate input: the projections (from _lattice_inputs_kernel), feat_mlp, embeddings
     tok = tl.load(cand + n * L + offs_l, mask=l_mask, other=0)
-    x = tl.zeros([BL, WIDTH], dtype=tl.float32)
-    for d0 in tl.static_range(0, D, BD):
-        d = d0 + offs_d
-        e = tl.load(embed + tok[:, None] * D + d[None, :], mask=l_mask[:, None] & (d[None, :] < D), other=0.0)
-        w = tl.load(tok_w + d[:, None] * WIDTH + offs_w[None, :], mask=d[:, None] < D, other=0.0)
-        x += _dot(e, w, PREC)
-    for d0 in tl.static_range(0, DW, BD):
-        d = d0 + offs_d
-        hs = tl.load(slot_hidden + (n * S + slot[:, None]) * DW + d[None, :],
-                     mask=l_mask[:, None] & (d[None, :] < DW), other=0.0)
-        w = tl.load(hid_w + d[:, None] * WIDTH + offs_w[None, :], mask=d[:, None] < DW, other=0.0)
-        x += _dot(hs, w, PREC)
+    row_w = offs_l[:, None] * WIDTH + offs_w[None, :]
+    x = tl.load(tok_x + n * L * WIDTH + row_w, mask=l_mask[:, None], other=0.0)
+    x += tl.load(hid_x + (n * S + slot[:, None]) * WIDTH + offs_w[None, :], mask=l_mask[:, None], other=0.0)
 
     # the five log-prob features, LayerNorm(5), Linear(5, w) as five outer products, SiLU
     logp = tl.maximum(tl.load(cand_logp + n * L + offs_l, mask=l_mask, other=0.0).to(tl.float32), -30.0)
@@ -132,14 +183,18 @@ def _lilicorr_head_kernel(
     x += tl.load(rank_emb + rank[:, None] * WIDTH + offs_w[None, :]).to(tl.float32)
 
     # -- the lattice transformer: relative-slot + same-slot biases, padded columns masked.
-    # q, k, v are whole [BL, w] products (three weight tiles a layer, not 3 x heads slices);
-    # head h attends with the columns of the other heads zeroed, which costs a few more
-    # tensor-core MACs and saves the many small serial loads that bound this kernel
-    rel = slot[None, :] - slot[:, None] + MAX_SLOTS - 1
-    same = (slot[None, :] == slot[:, None]) & (offs_l[None, :] != offs_l[:, None])
+    # All heads in two products: row h*BL + i of the stacked queries is query i with every
+    # column outside head h zeroed, so stacked @ k^T gives each head's scores; and with
+    # p_cat[i, h*BL + j] = p_h[i, j] and v stacked the same way, p_cat @ v_stacked is the
+    # heads' outputs side by side (2 serial products a layer instead of 2 per head)
+    hb = tl.arange(0, HB)
+    q_row = hb % BL                                 # the query of a stacked row
+    q_slot = q_row // K
+    q_head = hb // BL
+    rel = slot[None, :] - q_slot[:, None] + MAX_SLOTS - 1
+    same = (slot[None, :] == q_slot[:, None]) & (offs_l[None, :] != q_row[:, None])
     col_ok = l_mask[None, :]
-    both = l_mask[:, None] & col_ok
-    col_head = offs_w // HD
+    in_head = (tl.arange(0, HEADS)[:, None, None] == (offs_w // HD)[None, None, :])    # [HEADS, 1, w]
     for li in tl.static_range(LAYERS):
         xn = _layer_norm(x, ln1_w + li * WIDTH, ln1_b + li * WIDTH, offs_w, WIDTH, eps)
         qkv = qkv_w + li * WIDTH * 3 * WIDTH
@@ -148,16 +203,17 @@ def _lilicorr_head_kernel(
              + _vec(qkv_b + li * 3 * WIDTH, WIDTH + offs_w)[None, :]).to(OP)
         v = (_mm(xn, qkv, 3 * WIDTH, offs_w, 2 * WIDTH + offs_w, PREC)
              + _vec(qkv_b + li * 3 * WIDTH, 2 * WIDTH + offs_w)[None, :]).to(OP)
-        attn = tl.zeros([BL, WIDTH], dtype=tl.float32)
-        for h in tl.static_range(HEADS):
-            in_h = (col_head == h)[None, :]
-            s = _dot(tl.where(in_h, q, 0.0), tl.trans(k), PREC) * (1.0 / math.sqrt(HD))
-            s += tl.load(rel_bias + h * (2 * MAX_SLOTS - 1) + rel, mask=both, other=0.0).to(tl.float32)
-            s += tl.where(same, tl.load(same_bias + h).to(tl.float32), 0.0)
-            s = tl.where(col_ok, s, float("-inf"))
-            p = tl.exp(s - tl.max(s, axis=1)[:, None])
-            p = p / tl.sum(p, axis=1)[:, None]
-            attn += _dot(p, tl.where(in_h, v, tl.zeros_like(v)), PREC)
+        q_stacked = tl.reshape(tl.where(in_head, q[None, :, :], 0.0), (HB, WIDTH))
+        s = _dot(q_stacked, tl.trans(k), PREC) * (1.0 / math.sqrt(HD))                 # [HB, BL]
+        s += tl.load(rel_bias + q_head[:, None] * (2 * MAX_SLOTS - 1) + rel,
+                     mask=(q_row < L)[:, None] & col_ok, other=0.0).to(tl.float32)
+        s += tl.where(same, tl.load(same_bias + q_head).to(tl.float32)[:, None], 0.0)
+        s = tl.where(col_ok, s, float("-inf"))
+        p = tl.exp(s - tl.max(s, axis=1)[:, None])
+        p = p / tl.sum(p, axis=1)[:, None]
+        p_cat = tl.reshape(tl.permute(tl.reshape(p, (HEADS, BL, BL)), (1, 0, 2)), (BL, HB))
+        v_stacked = tl.reshape(tl.where(in_head, v[None, :, :], tl.zeros_like(v)[None, :, :]), (HB, WIDTH))
+        attn = _dot(p_cat, v_stacked, PREC)
         x += _mm(attn, o_w + li * WIDTH * WIDTH, WIDTH, offs_w, offs_w, PREC) + _vec(o_b + li * WIDTH, offs_w)[None, :]
         xn = _layer_norm(x, ln2_w + li * WIDTH, ln2_b + li * WIDTH, offs_w, WIDTH, eps)
         y = tl.zeros([BL, WIDTH], dtype=tl.float32)
@@ -168,27 +224,21 @@ def _lilicorr_head_kernel(
             y += _mm(mid, m2_w + li * MLP * WIDTH, WIDTH, m0 + offs_m, offs_w, PREC)
         x += y + _vec(m2_b + li * WIDTH, offs_w)[None, :]
 
-    # -- fusion with the anchor row: F = silu(W [x; a; x*a]); normalised out / in factors.
-    # a is held broadcast over the rows ([BL, w], rows equal) so every product is a tl.dot
-    a = tl.zeros([BL, WIDTH], dtype=tl.float32) + _vec(anc_b, offs_w)[None, :]
-    for d0 in tl.static_range(0, DW, BD):
-        d = d0 + offs_d
-        av = tl.load(anchor + n * DW + d, mask=d < DW, other=0.0).to(tl.float32)
-        w = tl.load(anc_w + d[:, None] * WIDTH + offs_w[None, :], mask=d[:, None] < DW, other=0.0)
-        a += _dot(tl.zeros([BL, BD], dtype=tl.float32) + av[None, :], w, PREC)
-    a = a.to(anc_w.dtype.element_ty).to(tl.float32)          # the module's a is a weight-dtype tensor
+    # -- fusion with the anchor row a: F = silu(W [x; a; x*a]). a is one row, so its part of
+    # the product (and w_a's) is a vector-matrix product; normalised out / in factors
+    a = tl.load(anc_x + n * WIDTH + offs_w)
     f = (_mm(x, fuse_w, WIDTH, offs_w, offs_w, PREC)
-         + _mm(a, fuse_w, WIDTH, WIDTH + offs_w, offs_w, PREC)
-         + _mm(x * a, fuse_w, WIDTH, 2 * WIDTH + offs_w, offs_w, PREC)
-         + _vec(fuse_b, offs_w)[None, :])
+         + _mm(x * a[None, :], fuse_w, WIDTH, 2 * WIDTH + offs_w, offs_w, PREC)
+         + (_row_times(a, fuse_w, WIDTH, offs_w, WIDTH) + _vec(fuse_b, offs_w))[None, :])
     f = f * tl.sigmoid(f)
     out = _normalize_rows(_mm(f, out_w, WIDTH, offs_w, offs_w, PREC))
     inn = _normalize_rows(_mm(f, in_w, WIDTH, offs_w, offs_w, PREC))
-    aq = _normalize_rows(_mm(a, a_w, WIDTH, offs_w, offs_w, PREC))
+    aq = _row_times(a, a_w, 0, offs_w, WIDTH)
+    aq = aq / tl.maximum(tl.sqrt(tl.sum(aq * aq, axis=0)), 1e-12)
 
     # -- scores: every adjacent pair in one product, then keep the (s, s+1) blocks
     g = scale * tl.dot(out, tl.trans(inn), input_precision="ieee")               # [BL, BL]
-    start = scale * tl.sum(inn * aq, axis=1)                                      # [BL]
+    start = scale * tl.sum(inn * aq[None, :], axis=1)                             # [BL]
     pair_ok = (l_mask[:, None] & l_mask[None, :] & (slot[:, None] < S - 1)
                & (slot[None, :] == slot[:, None] + 1))
     tl.store(pair_out + n * (S - 1) * K * K + slot[:, None] * K * K + rank[:, None] * K + rank[None, :],
@@ -255,8 +305,8 @@ def unsupported(head: nn.Module, slots: int, top_k: int) -> str | None:
     hd = c.width // c.heads
     if not (_pow2(c.width) and _pow2(hd) and c.width % c.heads == 0):
         return f"width {c.width} / {c.heads} heads: the kernel needs power-of-two widths of 16 or more"
-    if c.mlp_hidden % min(c.mlp_hidden, 128) or not _pow2(min(c.mlp_hidden, 128)):
-        return f"mlp hidden {c.mlp_hidden}: the kernel needs a multiple of a power of two >= 16"
+    if c.mlp_hidden & -c.mlp_hidden < 16:
+        return f"mlp hidden {c.mlp_hidden}: the kernel needs a multiple of 16"
     if not (2 <= slots <= c.max_slots and 1 <= top_k <= c.max_k):
         return f"lattice {slots} x {top_k} outside the head's {c.max_slots} x {c.max_k}"
     if (head.token_proj.weight.dtype == torch.float32 and c.width > MAX_FP32_WIDTH
@@ -267,24 +317,34 @@ def unsupported(head: nn.Module, slots: int, top_k: int) -> str | None:
 
 
 class FusedLiLiCorrHead:
-    """A `LiLiCorrHead`'s weights, transposed once to [in, out], and the one-kernel forward.
+    """A `LiLiCorrHead`'s weights, transposed once to [in, out], and the fused forward.
 
     `__call__(cand, cand_logp, slot_hidden, anchor)` returns fp32 start [N, k],
-    fp32 pair [N, S-1, k, k], the greedy walk's ranks [N, S] and its tokens [N, S]. The
-    packed copies are made at construction: rebuild after the head's weights change.
+    fp32 pair [N, S-1, k, k], the greedy walk's ranks [N, S] and its tokens [N, S]: two
+    launches, the input projections (`_lattice_inputs_kernel`) and the rest of the head with
+    the walk (`_lilicorr_head_kernel`). The packed copies are made at construction: rebuild
+    after the head's weights change. num_warps / mlp_block (the MLP's hidden columns per
+    product; default all of them up to 256) only change the speed, not the result.
     """
 
-    def __init__(self, head: nn.Module, slots: int, top_k: int, embed_weight: torch.Tensor):
+    def __init__(self, head: nn.Module, slots: int, top_k: int, embed_weight: torch.Tensor,
+                 num_warps: int = 8, mlp_block: int | None = None):
         why = unsupported(head, slots, top_k)
         if why:
             raise ValueError(f"the fused LiLiCorr head cannot run this lattice: {why}")
         c = self.config = head.config
         self.slots, self.top_k = slots, top_k
+        self.mlp_block = mlp_block or min(c.mlp_hidden & -c.mlp_hidden, 256)   # largest pow2 divisor
+        if not (_pow2(self.mlp_block) and c.mlp_hidden % self.mlp_block == 0):
+            raise ValueError(f"mlp_block {self.mlp_block}: needs a power of two >= 16 dividing {c.mlp_hidden}")
+        self.num_warps = num_warps
         t = lambda lin: lin.weight.detach().t().contiguous()                      # noqa: E731
         stack = lambda f: torch.stack([f(layer).detach() for layer in head.layers]).contiguous()  # noqa: E731
         self.dtype = head.token_proj.weight.dtype
+        self.input_weights = [t(head.token_proj), t(head.hidden_proj), t(head.anchor_proj),
+                              head.anchor_proj.bias.detach()]
         self.weights = [
-            t(head.token_proj), t(head.hidden_proj), head.feat_norm.weight.detach(), head.feat_norm.bias.detach(),
+            head.feat_norm.weight.detach(), head.feat_norm.bias.detach(),
             t(head.feat_mlp[0]), head.feat_mlp[0].bias.detach(), t(head.feat_mlp[2]), head.feat_mlp[2].bias.detach(),
             head.slot_emb.weight.detach(), head.rank_emb.weight.detach(),
             stack(lambda l: l.attn_norm.weight), stack(lambda l: l.attn_norm.bias),
@@ -294,8 +354,7 @@ class FusedLiLiCorrHead:
             stack(lambda l: l.mlp[0].weight.t()), stack(lambda l: l.mlp[0].bias),
             stack(lambda l: l.mlp[2].weight.t()), stack(lambda l: l.mlp[2].bias),
             head.rel_slot_bias.detach().contiguous(), head.same_slot_bias.detach().contiguous(),
-            t(head.anchor_proj), head.anchor_proj.bias.detach(), t(head.fuse), head.fuse.bias.detach(),
-            t(head.w_out), t(head.w_in), t(head.w_a)]
+            t(head.fuse), head.fuse.bias.detach(), t(head.w_out), t(head.w_in), t(head.w_a)]
         self.embed = embed_weight.detach().to(self.dtype).contiguous()     # the target's, frozen
         self.layers = len(head.layers)
         # fp32 weights: tf32x3 products (fp32-accurate on tensor cores; plain tf32 would cost
@@ -312,25 +371,32 @@ class FusedLiLiCorrHead:
         N = cand.shape[0]
         if cand.shape[1:] != (S, k) or cand_logp.shape != cand.shape:
             raise ValueError(f"expected a lattice [N, {S}, {k}], got {tuple(cand.shape)}")
-        dev = cand.device
-        start = torch.empty(N, k, device=dev, dtype=torch.float32)
-        pair = torch.empty(N, S - 1, k, k, device=dev, dtype=torch.float32)
+        dev, W, BL = cand.device, c.width, max(16, triton.next_power_of_2(S * k))
+        f32 = dict(device=dev, dtype=torch.float32)
+        tok_x, hid_x, anc_x = torch.empty(N, S * k, W, **f32), torch.empty(N, S, W, **f32), torch.empty(N, W, **f32)
+        cand = cand.contiguous()
+        BN = min(W, 32)
+        _lattice_inputs_kernel[(W // BN, 3, N)](
+            cand, slot_hidden.to(self.dtype).contiguous(), anchor.to(self.dtype).contiguous(), self.embed,
+            *self.input_weights, tok_x, hid_x, anc_x,
+            S=S, K=k, BL=BL, BS=max(16, triton.next_power_of_2(S)), D=self.embed.shape[1], DW=c.drafter_width,
+            WIDTH=W, BN=BN, BD=128, PREC=self.precision, num_warps=4)
+        start = torch.empty(N, k, **f32)
+        pair = torch.empty(N, S - 1, k, k, **f32)
         ranks = torch.empty(N, S, device=dev, dtype=torch.int64)
         tokens = torch.empty(N, S, device=dev, dtype=torch.int64)
         _lilicorr_head_kernel[(N,)](
-            cand.contiguous(), cand_logp.float().contiguous(), slot_hidden.to(self.dtype).contiguous(),
-            anchor.to(self.dtype).contiguous(), self.embed,
+            cand, cand_logp.float().contiguous(), tok_x, hid_x, anc_x,
             *self.weights, start, pair, ranks, tokens,
             self.eps, self.feat_eps, float(c.scale),
-            S=S, K=k, BL=max(16, triton.next_power_of_2(S * k)), D=self.embed.shape[1], DW=c.drafter_width,
-            BD=128, WIDTH=c.width, HEADS=c.heads, LAYERS=self.layers, MLP=c.mlp_hidden,
-            BM=min(c.mlp_hidden, 128), MAX_SLOTS=c.max_slots, RANK_DEN=max(k - 1, 1),
-            PREC=self.precision, num_warps=8)
+            S=S, K=k, BL=BL, WIDTH=W, HEADS=c.heads, LAYERS=self.layers, MLP=c.mlp_hidden,
+            BM=self.mlp_block, MAX_SLOTS=c.max_slots, RANK_DEN=max(k - 1, 1),
+            PREC=self.precision, num_warps=self.num_warps)
         return start, pair, ranks, tokens
 
     def draft(self, logits: torch.Tensor, slot_hidden: torch.Tensor, anchor: torch.Tensor):
         """Slot logits [N, S, V] -> (candidates, their log-probs, start, pair, ranks, tokens):
-        `specla.drafters.lilicorr.lattice` + `greedy_walk` in two kernels."""
+        `specla.drafters.lilicorr.lattice` + `greedy_walk` in three kernels."""
         cand, cand_logp = lattice_topk(logits, self.top_k)
         return (cand, cand_logp, *self(cand, cand_logp, slot_hidden, anchor))
 

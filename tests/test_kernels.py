@@ -183,6 +183,9 @@ HEAD_SHAPES = {  # name: (HeadConfig fields, slots, top_k, vocab)
                  max_slots=5, max_k=4), 4, 3, 50),
     "deep": (dict(drafter_width=64, target_hidden=96, width=64, heads=4, layers=3, mlp_hidden=384,
                   max_slots=15, max_k=8), 15, 2, 300),
+    # a head for a GDN-1.3B-sized pair: 2048-wide inputs, an MLP of three 256-column blocks
+    "wide": (dict(drafter_width=2048, target_hidden=2048, width=128, heads=4, layers=2, mlp_hidden=768,
+                  max_slots=7, max_k=8), 7, 8, 512),
 }
 
 
@@ -198,8 +201,9 @@ def random_head(fields: dict, seed: int):
     return head.eval()
 
 
-def check_lilicorr_head(shape: str, dtype, device, seed: int = 0, N: int = 2) -> list[str]:
-    """The fused head against the module: scores, and the walk against `greedy_walk`.
+def check_lilicorr_head(shape: str, dtype, device, seed: int = 0, N: int = 2, **options) -> list[str]:
+    """The fused head (built with `options`) against the module: scores, and the walk
+    against `greedy_walk`.
 
     fp32: rounding only. bf16: the module rounds every intermediate to bf16 and the kernel
     keeps fp32 activations, so both are compared with the fp32 math: the kernel may be off
@@ -220,7 +224,7 @@ def check_lilicorr_head(shape: str, dtype, device, seed: int = 0, N: int = 2) ->
         head = head32 if dtype == torch.float32 else random_head(fields, seed).to(dtype)
         bf16_err = max((w - g).abs().max().item() for w, g in zip(
             want, head(embed.to(dtype)[cand], logp, hidden.to(dtype), anchor.to(dtype))))
-        fused = FusedLiLiCorrHead(head.to(device), S, k, embed.to(device))
+        fused = FusedLiLiCorrHead(head.to(device), S, k, embed.to(device), **options)
         start, pair, ranks, tokens = fused(cand.to(device), logp.to(device), hidden.to(device).to(dtype),
                                            anchor.to(device).to(dtype))
     scale = fields.get("scale", 8.0)
@@ -331,10 +335,11 @@ def test_lattice_topk_matches_candidates(N, S, V, k):
 
 
 @needs_cuda
-@pytest.mark.parametrize("dtype,shape", [(torch.bfloat16, "embedded"), (torch.float32, "odd"),
-                                         (torch.bfloat16, "deep")], ids=str)
-def test_lilicorr_head_matches_module(shape, dtype):
-    assert not check_lilicorr_head(shape, dtype, "cuda", seed=len(shape))
+@pytest.mark.parametrize("dtype,shape,options", [
+    (torch.bfloat16, "embedded", {}), (torch.bfloat16, "embedded", {"mlp_block": 128, "num_warps": 4}),
+    (torch.float32, "odd", {}), (torch.bfloat16, "deep", {}), (torch.bfloat16, "wide", {})], ids=str)
+def test_lilicorr_head_matches_module(shape, dtype, options):
+    assert not check_lilicorr_head(shape, dtype, "cuda", seed=len(shape), **options)
 
 
 def test_lilicorr_head_bad_inputs():
@@ -351,6 +356,8 @@ def test_lilicorr_head_bad_inputs():
     with pytest.raises(ValueError, match="cast the drafter to bf16"):
         FusedLiLiCorrHead(random_head(wide, 0), S_w, k_w, torch.zeros(8, wide["target_hidden"]))
     FusedLiLiCorrHead(random_head(wide, 0).to(torch.bfloat16), S_w, k_w, torch.zeros(8, wide["target_hidden"]))
+    with pytest.raises(ValueError, match="mlp_block"):
+        FusedLiLiCorrHead(random_head(fields, 0), S, k, embed, mlp_block=48)
     fused = FusedLiLiCorrHead(random_head(fields, 0), S, k, embed)
     with pytest.raises(ValueError, match="lattice"):
         fused(torch.zeros(1, S, k + 1, dtype=torch.long), torch.zeros(1, S, k + 1),
@@ -474,6 +481,8 @@ def interpreter_cases(group: str):
             for dtype in (torch.float32, torch.bfloat16):
                 yield (f"lilicorr-{shape}-{dtype}",
                        lambda shape=shape, dt=dtype: check_lilicorr_head(shape, dt, dev, seed=len(shape)))
+        yield ("lilicorr-deep-mlp_block16", lambda: check_lilicorr_head("deep", torch.float32, dev, seed=4,
+                                                                        mlp_block=16))
         return
     if group == "commit":
         for T in (0, 1, 5):
