@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The H200 runs behind benchmarks/results/, in stages that each fit a 10-minute device command:
 #   SPECLA_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200.sh tests runtime kernels e2e
-# Stages: tests (pytest -m gpu), kernel-tests (tests/test_kernels.py on the GPU), runtime, kernels, e2e, e2e-quick, acceptance,
+# Stages: tests (pytest -m gpu), kernel-tests (tests/test_kernels.py on the GPU), runtime, kernels, e2e, e2e-quick,
+# head (the LiLiCorr head's share of a GDN-1.3B-shape step), acceptance,
 # target (a second training stage of the embedded target from assets/target; needs data/corpus). Needs the
 # pure-Python wheels in .whl/ (see benchmarks/README.md). Results land in $OUT/results
 # (default /tmp/specla-out/results); a stage's time limit is its T_<STAGE> variable.
@@ -32,6 +33,7 @@ for stage in "$@"; do
            tail -5 "$R/gpu_kernel_tests.txt" ;;
     runtime) bench runtime "${T_RUNTIME:-260}" ;;
     kernels) bench kernels "${T_KERNELS:-240}" ;;
+    head) bench head "${T_HEAD:-300}" ;;
     e2e) bench e2e "${T_E2E:-520}" ${E2E_ARGS:-} ;;
     e2e-quick) bench e2e "${T_E2E:-200}" --quick ;;
     acceptance) bench acceptance "${T_ACCEPTANCE:-200}" ;;

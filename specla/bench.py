@@ -8,6 +8,9 @@ Suites (`--suite`, default all):
               at controlled acceptance (chains and trees, GDN-1.3B shape) and the embedded
               target with its trained drafters. `--device cpu`: the eager loop
               (specla.decode) on the embedded pair, or a tiny random target with `--tiny`.
+  head        the LiLiCorr head's share of a decoding step next to a GDN-1.3B-shape target:
+              a LiLiCorr drafter sized for it (random bf16 weights) drafting device-graphed
+              chains with its head fused, as torch ops, and not at all (the block chain).
   kernels     kernels/bench_kernels.py (verify and commit kernels, GPU).
   acceptance  tau of the trained drafters and exactness (specla.acceptance).
 
@@ -36,7 +39,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results"
-SUITES = ("runtime", "e2e", "kernels", "acceptance")
+SUITES = ("runtime", "e2e", "head", "kernels", "acceptance")
 PROMPT_FILES = (ROOT / "data" / "corpus" / "heldout_prompts.jsonl", ROOT / "examples" / "prompts.jsonl")
 
 try:
@@ -714,12 +717,19 @@ HEAD_SHARES = [  # (result key, LiLiCorr row label), each against the block row 
 ]
 
 
-def head_alone_cost(rt, drafter, settings, prompt: list[int], inner: int = 20, repeats: int = 30) -> dict:
+# launch options of the fused head timed beside its defaults (num_warps 8, the widest MLP block)
+HEAD_KERNEL_VARIANTS = ({"num_warps": 4}, {"num_warps": 16}, {"num_warps": 8, "mlp_block": 128})
+
+
+def head_alone_cost(rt, drafter, settings, prompt: list[int], inner: int = 20, repeats: int = 30,
+                    variants: tuple[dict, ...] = HEAD_KERNEL_VARIANTS) -> dict:
     """GPU ms of the LiLiCorr head's work in one device draft, on a real lattice (the block
     pass after `prompt`): the torch ops (top-k, head, walk, gather) against the fused kernels
     (top-k, then head + walk), next to the block chain's own pick (log_softmax + argmax) and the
     block pass. Each is captured `inner` times in one graph, so the per-call figure carries
-    no replay launch; medians of `repeats` replays."""
+    no replay launch; medians of `repeats` replays. `variants`: other launch options of the
+    fused kernel (`FusedLiLiCorrHead`'s num_warps / mlp_block), timed the same way."""
+    from kernels.triton_lilicorr import FusedLiLiCorrHead
     from specla import cuda_graphs as cg
     from specla.device_drafter import DeviceChainDrafter
     from specla.drafters.lilicorr import candidates, greedy_walk, lattice
@@ -741,9 +751,23 @@ def head_alone_cost(rt, drafter, settings, prompt: list[int], inner: int = 20, r
                  "torch_head": torch_head,
                  "fused_head": lambda: dev.fused_head.draft(logits, h, anchor),
                  "fused_kernel_only": lambda: dev.fused_head(cand, cand_logp, h, anchor)}
-        out = {"slots": dev.slots, "top_k": dev.top_k, "inner": inner, "repeats": repeats}
+        out = {"slots": dev.slots, "top_k": dev.top_k, "inner": inner, "repeats": repeats,
+               "kernel_defaults": {"num_warps": dev.fused_head.num_warps, "mlp_block": dev.fused_head.mlp_block}}
+        for options in variants:
+            label = "fused_kernel_" + "_".join(f"{k}{v}" for k, v in options.items())
+            try:
+                fused = FusedLiLiCorrHead(dev.net.head, dev.slots, dev.top_k, dev.parts.embed_weight, **options)
+                same = torch.equal(fused(cand, cand_logp, h, anchor)[2], dev.fused_head(cand, cand_logp, h, anchor)[2])
+                out[f"{label}_walk_equal_to_default"] = same           # (the call also compiles it)
+                calls[label] = lambda fused=fused: fused(cand, cand_logp, h, anchor)
+            except Exception as err:  # noqa: BLE001 - a variant that does not build is a result
+                out[f"{label}_ms"] = {"error": f"{type(err).__name__}: {err}"}
         for name, fn in calls.items():
-            graph = cg.capture(lambda fn=fn: [fn() for _ in range(inner)])
+            try:
+                graph = cg.capture(lambda fn=fn: [fn() for _ in range(inner)])
+            except Exception as err:  # noqa: BLE001
+                out[f"{name}_ms"] = {"error": f"{type(err).__name__}: {err}"}
+                continue
             samples = []
             for _ in range(repeats):
                 with cg.Stopwatch(rt.device) as sw:
@@ -757,6 +781,81 @@ def head_alone_cost(rt, drafter, settings, prompt: list[int], inner: int = 20, r
     out["head_extra_torch_ms"] = out["torch_head_ms"]["median"] - pick
     out["head_extra_fused_ms"] = out["fused_head_ms"]["median"] - pick
     return out
+
+
+# A LiLiCorr drafter sized for the GDN-1.3B shape: two layers at the target's width (DFlash
+# drafts with a few target-width layers) and the embedded drafter's head (width 128, 2 layers,
+# a 7 x 8 lattice); `--tiny`: a CPU-sized one for the tests
+SCALE_DRAFTER = {"width": 2048, "heads": 16, "layers": 2, "mlp_hidden": 5632, "window": 64,
+                 "head": {"width": 128, "heads": 4, "layers": 2, "mlp_hidden": 256}}
+TINY_DRAFTER = {"width": 32, "heads": 2, "layers": 1, "mlp_hidden": 64, "window": 8,
+                "head": {"width": 32, "heads": 2, "layers": 1, "mlp_hidden": 64}}
+SCALE_BLOCK, SCALE_TOP_K = 8, 8
+HEAD_FUSED_LABEL = DEVICE_LABEL[:-1] + FUSED_SUFFIX + ")"
+
+
+def suite_head(args, env, deadline: Deadline) -> dict:
+    """The LiLiCorr head's share of a decoding step next to a GDN-1.3B-shape target (random
+    bf16 weights: the time of a step does not depend on them). One LiLiCorr drafter sized for
+    that target drafts device-graphed chains three ways: its top-1 chain (the block drafter's:
+    same block pass and verification, no head), with the head fused, and with the head as
+    torch ops; each share is the step difference over the LiLiCorr step (`device_head_share`).
+    Random drafts are rarely accepted, so tau is ~1; a chain step's cost does not depend on it
+    (static shapes: every step verifies the whole chain)."""
+    from specla import cuda_graphs as cg
+    from specla.config import PUBLIC_1P3B
+    from specla.drafters import new_drafter
+    from specla.drafters.base import DraftSettings
+
+    res = Results(args.out, "head", env)
+    cuda = args.device.type == "cuda"
+    if not (cuda or args.tiny):
+        res["skipped"] = "the head suite times CUDA graphs: it needs a GPU (--tiny runs it eagerly on the CPU)"
+        return res.data
+    config = small_config() if args.tiny else PUBLIC_1P3B
+    shape = TINY_DRAFTER if args.tiny else SCALE_DRAFTER
+    n = args.tokens or (16 if args.tiny else 64)
+    count = args.prompts or 2
+    dtype = torch.bfloat16 if cuda else torch.float32
+    res.data.update(config=dataclasses.asdict(config), drafter=shape, block_size=SCALE_BLOCK,
+                    top_k=SCALE_TOP_K, new_tokens=n, prompts=count, prompt_tokens=args.prompt_len, rows=[])
+    print(f"[head] building the random {config.hidden_size}-wide target and its LiLiCorr drafter", flush=True)
+    target = cg.random_target(config, args.device, dtype, seed=args.seed)
+    torch.manual_seed(args.seed)
+    drafter = new_drafter("lilicorr", target, block_size=SCALE_BLOCK, top_k=SCALE_TOP_K,
+                          **{k: dict(v) if isinstance(v, dict) else v for k, v in shape.items()})
+    res["drafter_params"] = sum(p.numel() for p in drafter.net.parameters())
+    res["head_params"] = sum(p.numel() for p in drafter.net.head.parameters())
+    prompts = [random_prompt(config.vocab_size, args.prompt_len, args.seed + i) for i in range(count)]
+    rt = cg.Runtime(target, args.ops)
+    res["ops"] = rt.ops_note
+    ref = PairReference(rt, cg.GraphedAR(rt, max_len=n + 64), prompts, n, args.recurrence)
+    chain = DraftSettings(tree="chain", block_size=SCALE_BLOCK, top_k=SCALE_TOP_K, budget=SCALE_BLOCK - 1)
+    if cuda:
+        guarded(res.data, "head_alone", head_alone_cost, rt, drafter, chain, prompts[0])
+        res.save()
+    variants = [("block", dataclasses.replace(chain, top_k=1), False, DEVICE_LABEL),
+                ("lilicorr", chain, False, DEVICE_LABEL)]
+    if cuda:
+        variants.insert(1, ("lilicorr", chain, True, HEAD_FUSED_LABEL))
+    for kind, settings, fused, label in variants:
+        row = {"name": f"{kind}/{label}", "kind": "drafter", "drafter": kind, "settings": label,
+               "draft_settings": dataclasses.asdict(settings)}
+        if not deadline.ok(30):
+            res["rows"].append({**row, "skipped": "deadline"})
+            continue
+        guarded(row, "result", device_chain_row, rt, drafter, settings, prompts, n, ref, args.recurrence,
+                False, fused)
+        if isinstance(row["result"], dict) and "error" not in row["result"]:
+            row.update(row.pop("result"))
+            print(f"[head] {row['name']}: step {row['step_ms']['median']:.3f} ms", flush=True)
+        res["rows"].append(row)
+        res.save()
+    for key, label in (("share_fused", HEAD_FUSED_LABEL), ("share_torch", DEVICE_LABEL)):
+        if cuda or label == DEVICE_LABEL:
+            guarded(res.data, key, device_head_share, res["rows"], label, DEVICE_LABEL)
+    res.save()
+    return res.data
 
 
 def e2e_pair_gpu(args, res: Results, deadline: Deadline) -> dict:
@@ -1141,7 +1240,7 @@ def suite_acceptance(args, env, deadline: Deadline) -> dict:
 def render(out: Path) -> Path:
     """report.md (and report.html if plotly imports) from the suite JSON files in `out`."""
     data = {}
-    for name in ("runtime", "e2e", "kernels_run", "acceptance"):
+    for name in ("runtime", "e2e", "head", "kernels_run", "acceptance"):
         path = out / f"{name}.json"
         if path.exists():
             data[name] = json.loads(path.read_text())
@@ -1159,6 +1258,8 @@ def render(out: Path) -> Path:
         lines += _md_runtime(data["runtime"])
     if "e2e" in data:
         lines += _md_e2e(data["e2e"])
+    if "head" in data:
+        lines += _md_head(data["head"])
     if "kernels_run" in data:
         k = data["kernels_run"]
         lines += ["## Kernels", "", k.get("skipped") or f"`{k.get('command')}`: return code "
@@ -1321,6 +1422,42 @@ def _md_targets(e: dict) -> list[str]:
     return lines + [""]
 
 
+def _md_head(h: dict) -> list[str]:
+    lines = ["## The LiLiCorr head's share of a decoding step at scale", ""]
+    if h.get("skipped") or h.get("error"):
+        return lines + [str(h.get("skipped") or h.get("error")), ""]
+    c, d = h.get("config") or {}, h.get("drafter") or {}
+    lines += [f"Target {c.get('hidden_size')} wide, {c.get('num_hidden_layers')} layers, random weights; "
+              f"drafter {d.get('layers')} layers x {d.get('width')} ({h.get('drafter_params')} params) with a "
+              f"width-{(d.get('head') or {}).get('width')} head ({h.get('head_params')} params) over a "
+              f"{h.get('block_size', 0) - 1} x {h.get('top_k')} lattice; {h.get('prompts')} prompts x "
+              f"{h.get('new_tokens')} tokens, every chain step device-graphed.", "",
+              "| row | step ms | GPU step ms | draft ms | exact |", "|---|---|---|---|---|"]
+    for r in h.get("rows") or []:
+        if "step_ms" not in r:
+            lines.append(f"| {r.get('name')} | {r.get('skipped') or (r.get('result') or {}).get('error', '')} | | | |")
+            continue
+        bad = r["exact"].get("unexcused")
+        lines.append(f"| {r['name']} | {fmt(r['step_ms'])} | {num(r['gpu_step_ms'])} | "
+                     f"{num(r['time_split_ms_per_step']['draft'])} | {bad} bad of {r['exact']['prompts']} |")
+    lines.append("")
+    for key, how in (("share_fused", "fused"), ("share_torch", "as torch ops")):
+        s = h.get(key) or {}
+        if "head_share_of_graphed_step" in s:
+            lines.append(f"- Head {how}: {num(s['head_share_of_graphed_step'])} of the step "
+                         f"({num(s['lilicorr_step_ms'])} vs {num(s['block_step_ms'])} ms); from the GPU "
+                         f"draft phases {num(s['head_share_of_gpu_step'])}.")
+    alone = h.get("head_alone") or {}
+    if "fused_kernel_only_ms" in alone:
+        variants = ", ".join(f"{k[len('fused_kernel_'):-3]} {fmt(v)}" for k, v in alone.items()
+                             if k.startswith("fused_kernel_") and k != "fused_kernel_only_ms"
+                             and isinstance(v, dict) and "median" in v)
+        lines.append(f"- Head alone, in one graph: torch ops {fmt(alone['torch_head_ms'])} ms, fused with top-k "
+                     f"{fmt(alone['fused_head_ms'])} ms, kernels only {fmt(alone['fused_kernel_only_ms'])} ms "
+                     f"({alone.get('kernel_defaults')}); other launch options: {variants or 'none'}.")
+    return lines + [""]
+
+
 def _md_row(r: dict) -> str:
     if "tau" not in r:
         why = r.get("skipped") or (r.get("result") or {}).get("error", "")
@@ -1433,7 +1570,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench on {env.get('gpu') or env['device']}: torch {env['torch']}, triton {env['triton']}, "
           f"fla {env['fla']}, commit {(env['git'] or {}).get('commit')}", flush=True)
     suites = SUITES if args.suite == "all" else (args.suite,)
-    runners = {"runtime": suite_runtime, "e2e": suite_e2e, "kernels": suite_kernels,
+    runners = {"runtime": suite_runtime, "e2e": suite_e2e, "head": suite_head, "kernels": suite_kernels,
                "acceptance": suite_acceptance}
     summary = {"environment": env, "suites": {}}
     for name in suites:

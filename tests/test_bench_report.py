@@ -179,6 +179,29 @@ def test_device_graphed_rows_and_head_share():
     assert "LiLiCorr head inside the device-graphed step" in report
 
 
+def test_head_suite_measures_the_share_on_a_tiny_target(tmp_path):
+    """`--suite head --tiny` on the CPU: the block and LiLiCorr chains of one drafter decode
+    exactly, the share is the step difference over the LiLiCorr step, the report shows it."""
+    assert bench.main(["--device", "cpu", "--suite", "head", "--tiny", "--prompt-len", "10",
+                       "--tokens", "12", "--out", str(tmp_path)]) == 0
+    h = json.loads((tmp_path / "head.json").read_text())
+    rows = {r["drafter"]: r for r in h["rows"]}
+    assert set(rows) == {"block", "lilicorr"}
+    for r in rows.values():
+        assert r["exact"]["diverging_prompts"] == 0 and r["tokens"] >= 12 * h["prompts"]
+    assert h["head_params"] < h["drafter_params"]
+    share = h["share_torch"]
+    l_ms, b_ms = rows["lilicorr"]["step_ms"]["median"], rows["block"]["step_ms"]["median"]
+    assert math.isclose(share["head_share_of_graphed_step"], (l_ms - b_ms) / l_ms)
+    report = (tmp_path / "report.md").read_text()
+    assert "LiLiCorr head's share of a decoding step" in report and "Head as torch ops" in report
+
+
+def test_head_suite_needs_a_gpu_at_full_size(tmp_path):
+    assert bench.main(["--device", "cpu", "--suite", "head", "--out", str(tmp_path)]) == 0
+    assert "needs a GPU" in json.loads((tmp_path / "head.json").read_text())["skipped"]
+
+
 def test_device_variants_cover_every_head_share():
     """Each head-share key compares a LiLiCorr row that the device rows produce with the block
     row of the same kind (compiled or not); without --compile-drafter no compiled rows."""
