@@ -125,6 +125,66 @@ def _row_times(v, w_ptr, row0, offs_w, WIDTH: tl.constexpr):
 
 
 @triton.jit
+def _attention_per_head(q, k, v, rel_bias, same_bias, K: tl.constexpr, L: tl.constexpr, BL: tl.constexpr,
+                        WIDTH: tl.constexpr, HEADS: tl.constexpr, MAX_SLOTS: tl.constexpr, PREC: tl.constexpr):
+    """Multi-head attention over the lattice rows, q fp32 / k, v operand-dtype [BL, WIDTH]:
+    head h attends with the columns of the other heads zeroed (whole-width products: a few
+    more tensor-core MACs than [BL, HD] slices, but no per-head weight loads)."""
+    HD: tl.constexpr = WIDTH // HEADS
+    offs_l = tl.arange(0, BL)
+    slot = offs_l // K
+    col_ok = (offs_l < L)[None, :]
+    rel = slot[None, :] - slot[:, None] + MAX_SLOTS - 1
+    same = (slot[None, :] == slot[:, None]) & (offs_l[None, :] != offs_l[:, None])
+    col_head = tl.arange(0, WIDTH) // HD
+    attn = tl.zeros([BL, WIDTH], dtype=tl.float32)
+    for h in tl.static_range(HEADS):
+        in_h = (col_head == h)[None, :]
+        s = _dot(tl.where(in_h, q, 0.0), tl.trans(k), PREC) * (1.0 / math.sqrt(HD))
+        s += tl.load(rel_bias + h * (2 * MAX_SLOTS - 1) + rel, mask=(offs_l < L)[:, None] & col_ok,
+                     other=0.0).to(tl.float32)
+        s += tl.where(same, tl.load(same_bias + h).to(tl.float32), 0.0)
+        s = tl.where(col_ok, s, float("-inf"))
+        p = tl.exp(s - tl.max(s, axis=1)[:, None])
+        p = p / tl.sum(p, axis=1)[:, None]
+        attn += _dot(p, tl.where(in_h, v, tl.zeros_like(v)), PREC)
+    return attn
+
+
+@triton.jit
+def _attention_stacked(q, k, v, rel_bias, same_bias, K: tl.constexpr, L: tl.constexpr, BL: tl.constexpr,
+                       WIDTH: tl.constexpr, HEADS: tl.constexpr, MAX_SLOTS: tl.constexpr, PREC: tl.constexpr):
+    """`_attention_per_head` in two products for all heads: row h*BL + i of the stacked
+    queries is query i with the columns outside head h zeroed, so stacked @ k^T holds every
+    head's scores; with p_cat[i, h*BL + j] = p_h[i, j] and v stacked the same way,
+    p_cat @ v_stacked is the heads' outputs side by side. Fewer serial steps, HEADS times
+    larger tiles in registers."""
+    HD: tl.constexpr = WIDTH // HEADS
+    HB: tl.constexpr = HEADS * BL
+    offs_l = tl.arange(0, BL)
+    slot = offs_l // K
+    col_ok = (offs_l < L)[None, :]
+    hb = tl.arange(0, HB)
+    q_row = hb % BL                                 # the query of a stacked row
+    q_slot = q_row // K
+    q_head = hb // BL
+    rel = slot[None, :] - q_slot[:, None] + MAX_SLOTS - 1
+    same = (slot[None, :] == q_slot[:, None]) & (offs_l[None, :] != q_row[:, None])
+    in_head = (tl.arange(0, HEADS)[:, None, None] == (tl.arange(0, WIDTH) // HD)[None, None, :])
+    q_stacked = tl.reshape(tl.where(in_head, q[None, :, :], 0.0), (HB, WIDTH))
+    s = _dot(q_stacked, tl.trans(k), PREC) * (1.0 / math.sqrt(HD))                 # [HB, BL]
+    s += tl.load(rel_bias + q_head[:, None] * (2 * MAX_SLOTS - 1) + rel,
+                 mask=(q_row < L)[:, None] & col_ok, other=0.0).to(tl.float32)
+    s += tl.where(same, tl.load(same_bias + q_head).to(tl.float32)[:, None], 0.0)
+    s = tl.where(col_ok, s, float("-inf"))
+    p = tl.exp(s - tl.max(s, axis=1)[:, None])
+    p = p / tl.sum(p, axis=1)[:, None]
+    p_cat = tl.reshape(tl.permute(tl.reshape(p, (HEADS, BL, BL)), (1, 0, 2)), (BL, HB))
+    v_stacked = tl.reshape(tl.where(in_head, v[None, :, :], tl.zeros_like(v)[None, :, :]), (HB, WIDTH))
+    return _dot(p_cat, v_stacked, PREC)
+
+
+@triton.jit
 def _lilicorr_head_kernel(
         cand, cand_logp, tok_x, hid_x, anc_x,
         feat_ln_w, feat_ln_b, f1_w, f1_b, f2_w, f2_b, slot_emb, rank_emb,
@@ -135,11 +195,9 @@ def _lilicorr_head_kernel(
         S: tl.constexpr, K: tl.constexpr, BL: tl.constexpr,
         WIDTH: tl.constexpr, HEADS: tl.constexpr, LAYERS: tl.constexpr,
         MLP: tl.constexpr, BM: tl.constexpr, MAX_SLOTS: tl.constexpr, RANK_DEN: tl.constexpr,
-        PREC: tl.constexpr):
+        STACKED_HEADS: tl.constexpr, PREC: tl.constexpr):
     n = tl.program_id(0)
     L: tl.constexpr = S * K
-    HD: tl.constexpr = WIDTH // HEADS
-    HB: tl.constexpr = HEADS * BL
     offs_l = tl.arange(0, BL)                      # lattice row = slot * K + rank
     l_mask = offs_l < L
     slot = offs_l // K
@@ -182,19 +240,7 @@ def _lilicorr_head_kernel(
     x += tl.load(slot_emb + slot[:, None] * WIDTH + offs_w[None, :], mask=l_mask[:, None], other=0.0).to(tl.float32)
     x += tl.load(rank_emb + rank[:, None] * WIDTH + offs_w[None, :]).to(tl.float32)
 
-    # -- the lattice transformer: relative-slot + same-slot biases, padded columns masked.
-    # All heads in two products: row h*BL + i of the stacked queries is query i with every
-    # column outside head h zeroed, so stacked @ k^T gives each head's scores; and with
-    # p_cat[i, h*BL + j] = p_h[i, j] and v stacked the same way, p_cat @ v_stacked is the
-    # heads' outputs side by side (2 serial products a layer instead of 2 per head)
-    hb = tl.arange(0, HB)
-    q_row = hb % BL                                 # the query of a stacked row
-    q_slot = q_row // K
-    q_head = hb // BL
-    rel = slot[None, :] - q_slot[:, None] + MAX_SLOTS - 1
-    same = (slot[None, :] == q_slot[:, None]) & (offs_l[None, :] != q_row[:, None])
-    col_ok = l_mask[None, :]
-    in_head = (tl.arange(0, HEADS)[:, None, None] == (offs_w // HD)[None, None, :])    # [HEADS, 1, w]
+    # -- the lattice transformer: relative-slot + same-slot biases, padded columns masked
     for li in tl.static_range(LAYERS):
         xn = _layer_norm(x, ln1_w + li * WIDTH, ln1_b + li * WIDTH, offs_w, WIDTH, eps)
         qkv = qkv_w + li * WIDTH * 3 * WIDTH
@@ -203,17 +249,10 @@ def _lilicorr_head_kernel(
              + _vec(qkv_b + li * 3 * WIDTH, WIDTH + offs_w)[None, :]).to(OP)
         v = (_mm(xn, qkv, 3 * WIDTH, offs_w, 2 * WIDTH + offs_w, PREC)
              + _vec(qkv_b + li * 3 * WIDTH, 2 * WIDTH + offs_w)[None, :]).to(OP)
-        q_stacked = tl.reshape(tl.where(in_head, q[None, :, :], 0.0), (HB, WIDTH))
-        s = _dot(q_stacked, tl.trans(k), PREC) * (1.0 / math.sqrt(HD))                 # [HB, BL]
-        s += tl.load(rel_bias + q_head[:, None] * (2 * MAX_SLOTS - 1) + rel,
-                     mask=(q_row < L)[:, None] & col_ok, other=0.0).to(tl.float32)
-        s += tl.where(same, tl.load(same_bias + q_head).to(tl.float32)[:, None], 0.0)
-        s = tl.where(col_ok, s, float("-inf"))
-        p = tl.exp(s - tl.max(s, axis=1)[:, None])
-        p = p / tl.sum(p, axis=1)[:, None]
-        p_cat = tl.reshape(tl.permute(tl.reshape(p, (HEADS, BL, BL)), (1, 0, 2)), (BL, HB))
-        v_stacked = tl.reshape(tl.where(in_head, v[None, :, :], tl.zeros_like(v)[None, :, :]), (HB, WIDTH))
-        attn = _dot(p_cat, v_stacked, PREC)
+        if STACKED_HEADS:
+            attn = _attention_stacked(q, k, v, rel_bias, same_bias, K, L, BL, WIDTH, HEADS, MAX_SLOTS, PREC)
+        else:
+            attn = _attention_per_head(q, k, v, rel_bias, same_bias, K, L, BL, WIDTH, HEADS, MAX_SLOTS, PREC)
         x += _mm(attn, o_w + li * WIDTH * WIDTH, WIDTH, offs_w, offs_w, PREC) + _vec(o_b + li * WIDTH, offs_w)[None, :]
         xn = _layer_norm(x, ln2_w + li * WIDTH, ln2_b + li * WIDTH, offs_w, WIDTH, eps)
         y = tl.zeros([BL, WIDTH], dtype=tl.float32)
@@ -323,12 +362,13 @@ class FusedLiLiCorrHead:
     fp32 pair [N, S-1, k, k], the greedy walk's ranks [N, S] and its tokens [N, S]: two
     launches, the input projections (`_lattice_inputs_kernel`) and the rest of the head with
     the walk (`_lilicorr_head_kernel`). The packed copies are made at construction: rebuild
-    after the head's weights change. num_warps / mlp_block (the MLP's hidden columns per
-    product; default all of them up to 256) only change the speed, not the result.
+    after the head's weights change. num_warps, mlp_block (the MLP's hidden columns per
+    product; default all of them up to 256) and stacked_heads (`_attention_stacked`, else
+    `_attention_per_head`) change the speed, not the result.
     """
 
     def __init__(self, head: nn.Module, slots: int, top_k: int, embed_weight: torch.Tensor,
-                 num_warps: int = 8, mlp_block: int | None = None):
+                 num_warps: int = 8, mlp_block: int | None = None, stacked_heads: bool = True):
         why = unsupported(head, slots, top_k)
         if why:
             raise ValueError(f"the fused LiLiCorr head cannot run this lattice: {why}")
@@ -337,7 +377,9 @@ class FusedLiLiCorrHead:
         self.mlp_block = mlp_block or min(c.mlp_hidden & -c.mlp_hidden, 256)   # largest pow2 divisor
         if not (_pow2(self.mlp_block) and c.mlp_hidden % self.mlp_block == 0):
             raise ValueError(f"mlp_block {self.mlp_block}: needs a power of two >= 16 dividing {c.mlp_hidden}")
-        self.num_warps = num_warps
+        self.num_warps, self.stacked_heads = num_warps, stacked_heads
+        self.rows = max(16, triton.next_power_of_2(slots * top_k))    # lattice rows, padded
+        self.compiled: dict = {}
         t = lambda lin: lin.weight.detach().t().contiguous()                      # noqa: E731
         stack = lambda f: torch.stack([f(layer).detach() for layer in head.layers]).contiguous()  # noqa: E731
         self.dtype = head.token_proj.weight.dtype
@@ -368,31 +410,49 @@ class FusedLiLiCorrHead:
     def __call__(self, cand: torch.Tensor, cand_logp: torch.Tensor, slot_hidden: torch.Tensor,
                  anchor: torch.Tensor):
         c, S, k = self.config, self.slots, self.top_k
-        N = cand.shape[0]
         if cand.shape[1:] != (S, k) or cand_logp.shape != cand.shape:
             raise ValueError(f"expected a lattice [N, {S}, {k}], got {tuple(cand.shape)}")
-        dev, W, BL = cand.device, c.width, max(16, triton.next_power_of_2(S * k))
-        f32 = dict(device=dev, dtype=torch.float32)
-        tok_x, hid_x, anc_x = torch.empty(N, S * k, W, **f32), torch.empty(N, S, W, **f32), torch.empty(N, W, **f32)
         cand = cand.contiguous()
+        return self.body(cand, cand_logp, *self.inputs(cand, slot_hidden, anchor))
+
+    def inputs(self, cand: torch.Tensor, slot_hidden: torch.Tensor, anchor: torch.Tensor):
+        """The first launch: fp32 token_proj(E[c]) [N, S*k, w], hidden_proj(h) [N, S, w] and
+        the anchor row a [N, w] (rounded to the weight dtype, as the module's)."""
+        c, S, k = self.config, self.slots, self.top_k
+        N, W = cand.shape[0], c.width
+        f32 = dict(device=cand.device, dtype=torch.float32)
+        tok_x, hid_x, anc_x = torch.empty(N, S * k, W, **f32), torch.empty(N, S, W, **f32), torch.empty(N, W, **f32)
         BN = min(W, 32)
-        _lattice_inputs_kernel[(W // BN, 3, N)](
+        self.compiled["inputs"] = _lattice_inputs_kernel[(W // BN, 3, N)](
             cand, slot_hidden.to(self.dtype).contiguous(), anchor.to(self.dtype).contiguous(), self.embed,
             *self.input_weights, tok_x, hid_x, anc_x,
-            S=S, K=k, BL=BL, BS=max(16, triton.next_power_of_2(S)), D=self.embed.shape[1], DW=c.drafter_width,
-            WIDTH=W, BN=BN, BD=128, PREC=self.precision, num_warps=4)
-        start = torch.empty(N, k, **f32)
-        pair = torch.empty(N, S - 1, k, k, **f32)
+            S=S, K=k, BL=self.rows, BS=max(16, triton.next_power_of_2(S)), D=self.embed.shape[1],
+            DW=c.drafter_width, WIDTH=W, BN=BN, BD=128, PREC=self.precision, num_warps=4)
+        return tok_x, hid_x, anc_x
+
+    def body(self, cand: torch.Tensor, cand_logp: torch.Tensor, tok_x: torch.Tensor, hid_x: torch.Tensor,
+             anc_x: torch.Tensor):
+        """The second launch: the rest of the head and the walk -> start, pair, ranks, tokens."""
+        c, S, k = self.config, self.slots, self.top_k
+        N, dev = cand.shape[0], cand.device
+        start = torch.empty(N, k, device=dev, dtype=torch.float32)
+        pair = torch.empty(N, S - 1, k, k, device=dev, dtype=torch.float32)
         ranks = torch.empty(N, S, device=dev, dtype=torch.int64)
         tokens = torch.empty(N, S, device=dev, dtype=torch.int64)
-        _lilicorr_head_kernel[(N,)](
+        self.compiled["body"] = _lilicorr_head_kernel[(N,)](
             cand, cand_logp.float().contiguous(), tok_x, hid_x, anc_x,
             *self.weights, start, pair, ranks, tokens,
             self.eps, self.feat_eps, float(c.scale),
-            S=S, K=k, BL=BL, WIDTH=W, HEADS=c.heads, LAYERS=self.layers, MLP=c.mlp_hidden,
+            S=S, K=k, BL=self.rows, WIDTH=c.width, HEADS=c.heads, LAYERS=self.layers, MLP=c.mlp_hidden,
             BM=self.mlp_block, MAX_SLOTS=c.max_slots, RANK_DEN=max(k - 1, 1),
-            PREC=self.precision, num_warps=self.num_warps)
+            STACKED_HEADS=self.stacked_heads, PREC=self.precision, num_warps=self.num_warps)
         return start, pair, ranks, tokens
+
+    def registers(self) -> dict:
+        """Registers and spilled registers per thread of each compiled launch (after a call on
+        the GPU; the interpreter compiles nothing)."""
+        return {name: {"registers": getattr(kern, "n_regs", None), "spills": getattr(kern, "n_spills", None)}
+                for name, kern in self.compiled.items()}
 
     def draft(self, logits: torch.Tensor, slot_hidden: torch.Tensor, anchor: torch.Tensor):
         """Slot logits [N, S, V] -> (candidates, their log-probs, start, pair, ranks, tokens):
