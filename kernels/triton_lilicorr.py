@@ -195,7 +195,7 @@ def _lilicorr_head_kernel(
         S: tl.constexpr, K: tl.constexpr, BL: tl.constexpr,
         WIDTH: tl.constexpr, HEADS: tl.constexpr, LAYERS: tl.constexpr,
         MLP: tl.constexpr, BM: tl.constexpr, MAX_SLOTS: tl.constexpr, RANK_DEN: tl.constexpr,
-        STACKED_HEADS: tl.constexpr, PREC: tl.constexpr):
+        STACKED_HEADS: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
     n = tl.program_id(0)
     L: tl.constexpr = S * K
     offs_l = tl.arange(0, BL)                      # lattice row = slot * K + rank
@@ -275,26 +275,33 @@ def _lilicorr_head_kernel(
     aq = _row_times(a, a_w, 0, offs_w, WIDTH)
     aq = aq / tl.maximum(tl.sqrt(tl.sum(aq * aq, axis=0)), 1e-12)
 
-    # -- scores: every adjacent pair in one product, then keep the (s, s+1) blocks
-    g = scale * tl.dot(out, tl.trans(inn), input_precision="ieee")               # [BL, BL]
+    # -- scores: every adjacent pair in one product, then keep the (s, s+1) blocks. The
+    # product is fp32-accurate (tf32x3; IEEE FMA in the interpreter), like the module's fp32
+    if PREC == "emulate":
+        g = scale * tl.dot(out, tl.trans(inn), input_precision="ieee")          # [BL, BL]
+    else:
+        g = scale * tl.dot(out, tl.trans(inn), input_precision="tf32x3")
     start = scale * tl.sum(inn * aq[None, :], axis=1)                             # [BL]
     pair_ok = (l_mask[:, None] & l_mask[None, :] & (slot[:, None] < S - 1)
                & (slot[None, :] == slot[:, None] + 1))
     tl.store(pair_out + n * (S - 1) * K * K + slot[:, None] * K * K + rank[:, None] * K + rank[None, :],
              g, mask=pair_ok)
-    first = l_mask & (slot == 0)
-    tl.store(start_out + n * K + offs_l, start, mask=first)
+    tl.store(start_out + n * K + offs_l, start, mask=l_mask & (slot == 0))
 
-    # -- the greedy walk over the scores still in registers
-    pick = tl.argmax(tl.where(first, start, float("-inf")), axis=0)
+    # -- the greedy walk, reading back the K scores of each row it needs from what was just
+    # stored (cut out of g in registers, a row costs two [BL, BL] reductions, serially per slot)
+    tl.debug_barrier()                           # the stores above are visible to every thread
+    offs_k = tl.arange(0, BK)
+    row = tl.load(start_out + n * K + offs_k, mask=offs_k < K, other=float("-inf"), cache_modifier=".cg")
+    pick = tl.argmax(row, axis=0)
     tl.store(ranks_out + n * S, pick)
-    tl.store(tokens_out + n * S, tl.sum(tl.where(offs_l == pick, tok, 0), axis=0))
+    tl.store(tokens_out + n * S, tl.load(cand + n * L + pick))
     for s_i in tl.static_range(1, S):
-        row = tl.sum(tl.where(offs_l[:, None] == pick, g, 0.0), axis=0)
-        row = tl.where(l_mask & (slot == s_i), row, float("-inf"))
+        row = tl.load(pair_out + n * (S - 1) * K * K + (s_i - 1) * K * K + pick * K + offs_k,
+                      mask=offs_k < K, other=float("-inf"), cache_modifier=".cg")
         pick = tl.argmax(row, axis=0)
-        tl.store(ranks_out + n * S + s_i, pick - s_i * K)
-        tl.store(tokens_out + n * S + s_i, tl.sum(tl.where(offs_l == pick, tok, 0), axis=0))
+        tl.store(ranks_out + n * S + s_i, pick)
+        tl.store(tokens_out + n * S + s_i, tl.load(cand + n * L + s_i * K + pick))
 
 
 @triton.jit
@@ -368,7 +375,7 @@ class FusedLiLiCorrHead:
     """
 
     def __init__(self, head: nn.Module, slots: int, top_k: int, embed_weight: torch.Tensor,
-                 num_warps: int = 8, mlp_block: int | None = None, stacked_heads: bool = True):
+                 num_warps: int = 8, mlp_block: int | None = None, stacked_heads: bool = False):
         why = unsupported(head, slots, top_k)
         if why:
             raise ValueError(f"the fused LiLiCorr head cannot run this lattice: {why}")
@@ -445,7 +452,8 @@ class FusedLiLiCorrHead:
             self.eps, self.feat_eps, float(c.scale),
             S=S, K=k, BL=self.rows, WIDTH=c.width, HEADS=c.heads, LAYERS=self.layers, MLP=c.mlp_hidden,
             BM=self.mlp_block, MAX_SLOTS=c.max_slots, RANK_DEN=max(k - 1, 1),
-            STACKED_HEADS=self.stacked_heads, PREC=self.precision, num_warps=self.num_warps)
+            STACKED_HEADS=self.stacked_heads, BK=triton.next_power_of_2(k), PREC=self.precision,
+            num_warps=self.num_warps)
         return start, pair, ranks, tokens
 
     def registers(self) -> dict:

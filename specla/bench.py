@@ -717,8 +717,9 @@ HEAD_SHARES = [  # (result key, LiLiCorr row label), each against the block row 
 ]
 
 
-# launch options of the fused head timed beside its defaults (num_warps 8, the widest MLP block)
-HEAD_KERNEL_VARIANTS = ({"num_warps": 4}, {"num_warps": 16}, {"num_warps": 8, "mlp_block": 128})
+# launch options of the fused head timed beside its defaults (per-head attention, num_warps 8,
+# the widest MLP block)
+HEAD_KERNEL_VARIANTS = ({"num_warps": 4}, {"stacked_heads": True, "num_warps": 4})
 
 
 def head_alone_cost(rt, drafter, settings, prompt: list[int], inner: int = 20, repeats: int = 30,
@@ -790,7 +791,7 @@ SCALE_DRAFTER = {"width": 2048, "heads": 16, "layers": 2, "mlp_hidden": 5632, "w
                  "head": {"width": 128, "heads": 4, "layers": 2, "mlp_hidden": 256}}
 TINY_DRAFTER = {"width": 32, "heads": 2, "layers": 1, "mlp_hidden": 64, "window": 8,
                 "head": {"width": 32, "heads": 2, "layers": 1, "mlp_hidden": 64}}
-SCALE_BLOCK, SCALE_TOP_K = 8, 8
+SCALE_BLOCK = 8
 HEAD_FUSED_LABEL = DEVICE_LABEL[:-1] + FUSED_SUFFIX + ")"
 
 
@@ -801,13 +802,17 @@ def suite_head(args, env, deadline: Deadline) -> dict:
     same block pass and verification, no head), with the head fused, and with the head as
     torch ops; each share is the step difference over the LiLiCorr step (`device_head_share`).
     Random drafts are rarely accepted, so tau is ~1; a chain step's cost does not depend on it
-    (static shapes: every step verifies the whole chain)."""
+    (static shapes: every step verifies the whole chain). The lattice is 7 slots x
+    `--head-top-k` (default 4, the setting of the measured LiLiCorr chains)."""
     from specla import cuda_graphs as cg
     from specla.config import PUBLIC_1P3B
     from specla.drafters import new_drafter
     from specla.drafters.base import DraftSettings
 
     res = Results(args.out, "head", env)
+    if args.head_top_k < 2:
+        res["error"] = f"--head-top-k {args.head_top_k}: a LiLiCorr lattice needs at least 2 candidates a slot"
+        return res.data
     cuda = args.device.type == "cuda"
     if not (cuda or args.tiny):
         res["skipped"] = "the head suite times CUDA graphs: it needs a GPU (--tiny runs it eagerly on the CPU)"
@@ -818,11 +823,11 @@ def suite_head(args, env, deadline: Deadline) -> dict:
     count = args.prompts or 2
     dtype = torch.bfloat16 if cuda else torch.float32
     res.data.update(config=dataclasses.asdict(config), drafter=shape, block_size=SCALE_BLOCK,
-                    top_k=SCALE_TOP_K, new_tokens=n, prompts=count, prompt_tokens=args.prompt_len, rows=[])
+                    top_k=args.head_top_k, new_tokens=n, prompts=count, prompt_tokens=args.prompt_len, rows=[])
     print(f"[head] building the random {config.hidden_size}-wide target and its LiLiCorr drafter", flush=True)
     target = cg.random_target(config, args.device, dtype, seed=args.seed)
     torch.manual_seed(args.seed)
-    drafter = new_drafter("lilicorr", target, block_size=SCALE_BLOCK, top_k=SCALE_TOP_K,
+    drafter = new_drafter("lilicorr", target, block_size=SCALE_BLOCK, top_k=max(args.head_top_k, 8),
                           **{k: dict(v) if isinstance(v, dict) else v for k, v in shape.items()})
     res["drafter_params"] = sum(p.numel() for p in drafter.net.parameters())
     res["head_params"] = sum(p.numel() for p in drafter.net.head.parameters())
@@ -830,7 +835,7 @@ def suite_head(args, env, deadline: Deadline) -> dict:
     rt = cg.Runtime(target, args.ops)
     res["ops"] = rt.ops_note
     ref = PairReference(rt, cg.GraphedAR(rt, max_len=n + 64), prompts, n, args.recurrence)
-    chain = DraftSettings(tree="chain", block_size=SCALE_BLOCK, top_k=SCALE_TOP_K, budget=SCALE_BLOCK - 1)
+    chain = DraftSettings(tree="chain", block_size=SCALE_BLOCK, top_k=args.head_top_k, budget=SCALE_BLOCK - 1)
     if cuda:
         guarded(res.data, "head_alone", head_alone_cost, rt, drafter, chain, prompts[0])
         res.save()
@@ -1540,6 +1545,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="e2e pair: also the device-graphed chains with the draft fused by torch.compile")
     p.add_argument("--device-rows-only", action="store_true",
                    help="e2e pair: only the device-graphed chains, not the eager-drafter rows")
+    p.add_argument("--head-top-k", type=int, default=4,
+                   help="head suite: LiLiCorr candidates per slot (default 4, as the measured chains)")
     p.add_argument("--pair-only", action="store_true",
                    help="e2e on CUDA: the embedded pair only, not the 1.3B oracle sweep")
     p.add_argument("--render", action="store_true", help="only rewrite report.md/html from --out")

@@ -337,7 +337,7 @@ def test_lattice_topk_matches_candidates(N, S, V, k):
 @needs_cuda
 @pytest.mark.parametrize("dtype,shape,options", [
     (torch.bfloat16, "embedded", {}), (torch.bfloat16, "embedded", {"mlp_block": 128, "num_warps": 4}),
-    (torch.bfloat16, "embedded", {"stacked_heads": False}),
+    (torch.bfloat16, "embedded", {"stacked_heads": True}), (torch.bfloat16, "odd", {"stacked_heads": True}),
     (torch.float32, "odd", {}), (torch.bfloat16, "deep", {}), (torch.bfloat16, "wide", {})], ids=str)
 def test_lilicorr_head_matches_module(shape, dtype, options):
     assert not check_lilicorr_head(shape, dtype, "cuda", seed=len(shape), **options)
@@ -485,8 +485,8 @@ def interpreter_cases(group: str):
         yield ("lilicorr-deep-mlp_block16", lambda: check_lilicorr_head("deep", torch.float32, dev, seed=4,
                                                                         mlp_block=16))
         for shape in ("embedded", "deep"):
-            yield (f"lilicorr-{shape}-per-head-attention",
-                   lambda shape=shape: check_lilicorr_head(shape, torch.bfloat16, dev, seed=5, stacked_heads=False))
+            yield (f"lilicorr-{shape}-stacked-attention",
+                   lambda shape=shape: check_lilicorr_head(shape, torch.bfloat16, dev, seed=5, stacked_heads=True))
         return
     if group == "commit":
         for T in (0, 1, 5):
