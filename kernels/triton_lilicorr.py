@@ -140,7 +140,7 @@ def _attention_per_head(q, k, v, rel_bias, same_bias, K: tl.constexpr, L: tl.con
     attn = tl.zeros([BL, WIDTH], dtype=tl.float32)
     for h in tl.static_range(HEADS):
         in_h = (col_head == h)[None, :]
-        s = _dot(tl.where(in_h, q, 0.0), tl.trans(k), PREC) * (1.0 / math.sqrt(HD))
+        s = _dot(tl.where(in_h, q, tl.zeros_like(q)), tl.trans(k), PREC) * (1.0 / math.sqrt(HD))
         s += tl.load(rel_bias + h * (2 * MAX_SLOTS - 1) + rel, mask=(offs_l < L)[:, None] & col_ok,
                      other=0.0).to(tl.float32)
         s += tl.where(same, tl.load(same_bias + h).to(tl.float32), 0.0)
@@ -171,7 +171,7 @@ def _attention_stacked(q, k, v, rel_bias, same_bias, K: tl.constexpr, L: tl.cons
     rel = slot[None, :] - q_slot[:, None] + MAX_SLOTS - 1
     same = (slot[None, :] == q_slot[:, None]) & (offs_l[None, :] != q_row[:, None])
     in_head = (tl.arange(0, HEADS)[:, None, None] == (tl.arange(0, WIDTH) // HD)[None, None, :])
-    q_stacked = tl.reshape(tl.where(in_head, q[None, :, :], 0.0), (HB, WIDTH))
+    q_stacked = tl.reshape(tl.where(in_head, q[None, :, :], tl.zeros_like(q)[None, :, :]), (HB, WIDTH))
     s = _dot(q_stacked, tl.trans(k), PREC) * (1.0 / math.sqrt(HD))                 # [HB, BL]
     s += tl.load(rel_bias + q_head[:, None] * (2 * MAX_SLOTS - 1) + rel,
                  mask=(q_row < L)[:, None] & col_ok, other=0.0).to(tl.float32)
@@ -186,7 +186,7 @@ def _attention_stacked(q, k, v, rel_bias, same_bias, K: tl.constexpr, L: tl.cons
 
 @triton.jit
 def _lilicorr_head_kernel(
-        cand, cand_logp, tok_x, hid_x, anc_x,
+        cand, cand_logp, tok_x, hid_x, anc_x, factors,
         feat_ln_w, feat_ln_b, f1_w, f1_b, f2_w, f2_b, slot_emb, rank_emb,
         ln1_w, ln1_b, qkv_w, qkv_b, o_w, o_b, ln2_w, ln2_b, m1_w, m1_b, m2_w, m2_b,
         rel_bias, same_bias, fuse_w, fuse_b, out_w, in_w, a_w,
@@ -244,7 +244,8 @@ def _lilicorr_head_kernel(
     for li in tl.static_range(LAYERS):
         xn = _layer_norm(x, ln1_w + li * WIDTH, ln1_b + li * WIDTH, offs_w, WIDTH, eps)
         qkv = qkv_w + li * WIDTH * 3 * WIDTH
-        q = _mm(xn, qkv, 3 * WIDTH, offs_w, offs_w, PREC) + _vec(qkv_b + li * 3 * WIDTH, offs_w)[None, :]
+        # q, k, v in the operand dtype: the products round them to it anyway
+        q = (_mm(xn, qkv, 3 * WIDTH, offs_w, offs_w, PREC) + _vec(qkv_b + li * 3 * WIDTH, offs_w)[None, :]).to(OP)
         k = (_mm(xn, qkv, 3 * WIDTH, offs_w, WIDTH + offs_w, PREC)
              + _vec(qkv_b + li * 3 * WIDTH, WIDTH + offs_w)[None, :]).to(OP)
         v = (_mm(xn, qkv, 3 * WIDTH, offs_w, 2 * WIDTH + offs_w, PREC)
@@ -275,31 +276,32 @@ def _lilicorr_head_kernel(
     aq = _row_times(a, a_w, 0, offs_w, WIDTH)
     aq = aq / tl.maximum(tl.sqrt(tl.sum(aq * aq, axis=0)), 1e-12)
 
-    # -- scores: every adjacent pair in one product, then keep the (s, s+1) blocks. The
-    # product is fp32-accurate (tf32x3; IEEE FMA in the interpreter), like the module's fp32
-    if PREC == "emulate":
-        g = scale * tl.dot(out, tl.trans(inn), input_precision="ieee")          # [BL, BL]
-    else:
-        g = scale * tl.dot(out, tl.trans(inn), input_precision="tf32x3")
-    start = scale * tl.sum(inn * aq[None, :], axis=1)                             # [BL]
-    pair_ok = (l_mask[:, None] & l_mask[None, :] & (slot[:, None] < S - 1)
-               & (slot[None, :] == slot[:, None] + 1))
-    tl.store(pair_out + n * (S - 1) * K * K + slot[:, None] * K * K + rank[:, None] * K + rank[None, :],
-             g, mask=pair_ok)
-    tl.store(start_out + n * K + offs_l, start, mask=l_mask & (slot == 0))
-
-    # -- the greedy walk, reading back the K scores of each row it needs from what was just
-    # stored (cut out of g in registers, a row costs two [BL, BL] reductions, serially per slot)
-    tl.debug_barrier()                           # the stores above are visible to every thread
+    # -- scores and the greedy walk, slot by slot. The factors go to a scratch buffer and
+    # come back as each slot's [K, w] rows (an L1 round trip): a [BL, BL] product of all rows
+    # in registers, of which only the (s, s+1) blocks are wanted, made this kernel spill
+    # heavily at every precision tried, and cutting a row out of it cost two block reductions
     offs_k = tl.arange(0, BK)
-    row = tl.load(start_out + n * K + offs_k, mask=offs_k < K, other=float("-inf"), cache_modifier=".cg")
-    pick = tl.argmax(row, axis=0)
+    k_ok = offs_k < K
+    scratch = factors + n * 2 * L * WIDTH
+    tl.store(scratch + row_w, out, mask=l_mask[:, None])
+    tl.store(scratch + L * WIDTH + row_w, inn, mask=l_mask[:, None])
+    tl.debug_barrier()                           # the stores above are visible to every thread
+    kw = offs_k[:, None] * WIDTH + offs_w[None, :]
+    nxt = tl.load(scratch + L * WIDTH + kw, mask=k_ok[:, None], other=0.0)        # slot 0's in rows
+    start = scale * tl.sum(nxt * aq[None, :], axis=1)                             # [BK]
+    tl.store(start_out + n * K + offs_k, start, mask=k_ok)
+    pick = tl.argmax(tl.where(k_ok, start, float("-inf")), axis=0)
     tl.store(ranks_out + n * S, pick)
     tl.store(tokens_out + n * S, tl.load(cand + n * L + pick))
+    both = k_ok[:, None] & k_ok[None, :]
     for s_i in tl.static_range(1, S):
-        row = tl.load(pair_out + n * (S - 1) * K * K + (s_i - 1) * K * K + pick * K + offs_k,
-                      mask=offs_k < K, other=float("-inf"), cache_modifier=".cg")
-        pick = tl.argmax(row, axis=0)
+        prev = tl.load(scratch + (s_i - 1) * K * WIDTH + kw, mask=k_ok[:, None], other=0.0)
+        nxt = tl.load(scratch + L * WIDTH + s_i * K * WIDTH + kw, mask=k_ok[:, None], other=0.0)
+        block = scale * tl.sum(prev[:, None, :] * nxt[None, :, :], axis=2)        # [BK, BK] fp32
+        tl.store(pair_out + n * (S - 1) * K * K + (s_i - 1) * K * K + offs_k[:, None] * K + offs_k[None, :],
+                 block, mask=both)
+        row = tl.sum(tl.where(offs_k[:, None] == pick, block, 0.0), axis=0)
+        pick = tl.argmax(tl.where(k_ok, row, float("-inf")), axis=0)
         tl.store(ranks_out + n * S + s_i, pick)
         tl.store(tokens_out + n * S + s_i, tl.load(cand + n * L + s_i * K + pick))
 
@@ -446,8 +448,9 @@ class FusedLiLiCorrHead:
         pair = torch.empty(N, S - 1, k, k, device=dev, dtype=torch.float32)
         ranks = torch.empty(N, S, device=dev, dtype=torch.int64)
         tokens = torch.empty(N, S, device=dev, dtype=torch.int64)
+        factors = torch.empty(N, 2, S * k, c.width, device=dev, dtype=torch.float32)   # scratch
         self.compiled["body"] = _lilicorr_head_kernel[(N,)](
-            cand, cand_logp.float().contiguous(), tok_x, hid_x, anc_x,
+            cand, cand_logp.float().contiguous(), tok_x, hid_x, anc_x, factors,
             *self.weights, start, pair, ranks, tokens,
             self.eps, self.feat_eps, float(c.scale),
             S=S, K=k, BL=self.rows, WIDTH=c.width, HEADS=c.heads, LAYERS=self.layers, MLP=c.mlp_hidden,
