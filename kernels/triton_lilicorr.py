@@ -1,22 +1,37 @@
-"""The whole LiLiCorr head in ONE Triton kernel: lattice features, the lattice transformer,
-fusion with the anchor row, every pair score and the greedy walk; and the lattice's top-k
-(log_softmax + top-k of each slot) in one more.
+"""The LiLiCorr head as Triton kernels. Three launches:
+- `_lattice_topk_kernel`: each slot's top-k (log_softmax + top-k).
+- `_lattice_inputs_kernel`: the projections of the wide inputs (candidate embeddings, slot
+  hiddens, the anchor row), spread over column strips.
+- `_lilicorr_head_kernel`: the rest in one program per lattice. That is the features, the
+  lattice transformer, fusion with the anchor row, every adjacent pair score and the greedy walk.
 
-The reference is `specla.drafters.lilicorr.LiLiCorrHead.forward` + `greedy_walk` (plain
-torch, the trained module itself). Why a kernel: the head is tiny (S x k = 7 x 8 = 56
-lattice rows, width 128, 2 layers) but as torch ops it is ~100 launches, 0.225 ms inside a
-CUDA graph on an H200, a fifth of the embedded pair's whole device-graphed step. Here one
-program holds one lattice in registers ([L, width] fp32, L padded to a power of two) and
-walks it through every layer; weights stream from L2, pre-transposed once to [in, out].
-Measured there: 0.073 ms a call, plus 0.004 ms for the top-k kernel. What bounds it now is
-that one program loads its ~30 weight tiles one after another; spreading each layer's
-products over several programs is the next step.
+The reference is `specla.drafters.lilicorr.LiLiCorrHead.forward` + `greedy_walk`: plain torch,
+the trained module itself.
 
-Arithmetic: fp32 activations and accumulators; matmul operands are rounded to the weight
-dtype (bf16 on the GPU, so its scores differ from the bf16 module's by bf16 rounding; fp32
-weights use tf32x3 products and match the module to ~1e-5). Scores are fp32 like the
-module's. The walk is `greedy_walk` on the kernel's own scores: start argmax, then the
-argmax of the row out of the previous pick, first index on ties (as torch.argmax).
+Why kernels: the head is tiny (a 7 x 4 or 7 x 8 lattice, width 128, 2 layers). As torch ops it
+is ~100 launches, 0.17-0.25 ms inside a CUDA graph on an H200.
+
+H200 timings at top-4 (kernels/bench_lilicorr.py, benchmarks/results/h200/session5/):
+- The embedded head takes 0.059 ms a call.
+- A head with 2048-wide inputs takes 0.071 ms, of which the input launch is 0.015 ms.
+- Inside a GDN-1.3B-shape decoding step the head costs 4.0% of the step.
+
+What bounds the head program is register pressure. It holds [BL, w] fp32 tiles next to
+bf16 weight tiles at 255 registers a thread. Every design choice below was measured by its
+spills (Triton's bundled ptxas reports them for sm_90 without a GPU) and then timed on the
+H200, where time tracked the spills:
+- attention head by head, with the other heads' columns zeroed, not stacked;
+- q, k and v kept in the operand dtype;
+- the anchor's parts as vector-matrix products;
+- the pair scores slot by slot from a scratch copy of the factors, not one [BL, BL] product.
+
+Arithmetic:
+- Activations and accumulators are fp32. Matmul operands are rounded to the weight dtype.
+  On the GPU that is bf16, so the scores differ from the bf16 module's by bf16 rounding.
+  fp32 weights use tf32x3 products and match the module to ~1e-5.
+- The pair scores are fp32 FMA sums, like the module's fp32 product.
+- The walk is `greedy_walk` on the kernel's own scores: the start argmax, then the argmax of
+  the row out of the previous pick, first index on ties (as torch.argmax).
 """
 from __future__ import annotations
 
