@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The H200 runs behind benchmarks/results/, in stages that each fit a 10-minute device command:
-#   SPECLA_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200.sh tests runtime kernels e2e
+#   SPECLA_COMMIT=<hash> bash benchmarks/h200.sh tests runtime kernels e2e
+# (write the hash out where the command is composed: on a copied tree, $(git rev-parse HEAD)
+# can read stale git metadata and record the wrong commit)
 # Stages: tests (pytest -m gpu), kernel-tests (tests/test_kernels.py on the GPU), runtime, kernels, e2e, e2e-quick,
 # head (the LiLiCorr head's share of a GDN-1.3B-shape step), acceptance,
 # target (a second training stage of the embedded target from assets/target; needs data/corpus). Needs the
