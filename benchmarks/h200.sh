@@ -4,7 +4,8 @@
 # (write the hash out where the command is composed: on a copied tree, $(git rev-parse HEAD)
 # can read stale git metadata and record the wrong commit)
 # Stages: tests (pytest -m gpu), kernel-tests (tests/test_kernels.py on the GPU), runtime, kernels, e2e, e2e-quick,
-# head (the LiLiCorr head's share of a GDN-1.3B-shape step), acceptance,
+# head (the LiLiCorr head's share of a GDN-1.3B-shape step), head-kernels (kernels/bench_lilicorr.py,
+# its options in HEAD_KERNELS_ARGS), acceptance,
 # target (a second training stage of the embedded target from assets/target; needs data/corpus). Needs the
 # pure-Python wheels in .whl/ (see benchmarks/README.md). Results land in $OUT/results
 # (default /tmp/specla-out/results); a stage's time limit is its T_<STAGE> variable.
@@ -13,6 +14,8 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 GRADIO_ANALYTICS_ENABLED=False
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
+# compiled kernels kept in the tree: a warm machine keeps ignored paths between device commands
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}
 OUT=${OUT:-/tmp/specla-out}
 R=$OUT/results
 mkdir -p "$R"
@@ -36,6 +39,8 @@ for stage in "$@"; do
     runtime) bench runtime "${T_RUNTIME:-260}" ;;
     kernels) bench kernels "${T_KERNELS:-240}" ;;
     head) bench head "${T_HEAD:-300}" ;;
+    head-kernels) timeout "${T_HEAD_KERNELS:-300}" python3 kernels/bench_lilicorr.py --out "$R" ${HEAD_KERNELS_ARGS:-} \
+             2>&1 | tee "$R/log_bench_lilicorr.txt" ;;
     e2e) bench e2e "${T_E2E:-520}" ${E2E_ARGS:-} ;;
     e2e-quick) bench e2e "${T_E2E:-200}" --quick ;;
     acceptance) bench acceptance "${T_ACCEPTANCE:-200}" ;;

@@ -95,41 +95,64 @@ def _rows_mm(row_ptrs, row_ok, w_ptr, cols, DEPTH: tl.constexpr, WIDTH: tl.const
 
 
 @triton.jit
-def _lattice_inputs_kernel(cand, slot_hidden, anchor, embed, tok_w, hid_w, anc_w, anc_b,
-                           tok_out, hid_out, anc_out,
-                           S: tl.constexpr, K: tl.constexpr, BL: tl.constexpr, BS: tl.constexpr,
-                           D: tl.constexpr, DW: tl.constexpr, WIDTH: tl.constexpr, BN: tl.constexpr,
-                           BD: tl.constexpr, PREC: tl.constexpr):
-    """The head's three input projections, which read the wide (target / drafter width)
-    tensors: token_proj(E[c]) for the S*K candidates, hidden_proj(h) for the S slots (not for
-    every candidate: a slot's K rows share it) and anchor_proj(anchor). Grid (WIDTH / BN, 3, N):
-    each program one BN-column strip of one projection, so the [D, WIDTH] weights are read by
-    WIDTH / BN programs in parallel instead of one after another by the head's program."""
-    strip, role, n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    cols = strip * BN + tl.arange(0, BN)
-    L: tl.constexpr = S * K
-    if role == 0:
-        rows = tl.arange(0, BL)
-        ok = rows < L
-        tok = tl.load(cand + n * L + rows, mask=ok, other=0)
-        x = _rows_mm(embed + tok * D, ok, tok_w, cols, D, WIDTH, BL, BN, BD, PREC)
-        tl.store(tok_out + (n * L + rows[:, None]) * WIDTH + cols[None, :], x, mask=ok[:, None])
-    elif role == 1:
+def _slot_topk(logits, cand, cand_logp, r, V, K: tl.constexpr, BV: tl.constexpr):
+    """Row r's top-K tokens and log-probs (log_softmax values, best first; the first index on
+    ties): the row sits in registers, K max-and-mask passes."""
+    offs = tl.arange(0, BV)
+    x = tl.load(logits + r * V + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, axis=0)
+    lse = m + tl.log(tl.sum(tl.exp(x - m), axis=0))
+    for j in tl.static_range(K):
+        val, idx = tl.max(x, axis=0, return_indices=True)
+        tl.store(cand + r * K + j, idx)
+        tl.store(cand_logp + r * K + j, val - lse)
+        x = tl.where(offs == idx, float("-inf"), x)
+
+
+@triton.jit
+def _lattice_topk_kernel(logits, cand, cand_logp, V, K: tl.constexpr, BV: tl.constexpr):
+    """One slot's top-K per program."""
+    _slot_topk(logits, cand, cand_logp, tl.program_id(0), V, K, BV)
+
+
+@triton.jit
+def _head_prologue_kernel(logits, cand, cand_logp, V, topk_rows, slot_hidden, anchor, hid_w, anc_w,
+                          hid_out, anc_out, warm, warm_numel, warm_sink, N,
+                          K: tl.constexpr, BV: tl.constexpr, S: tl.constexpr, BS: tl.constexpr,
+                          DW: tl.constexpr, WIDTH: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                          WARM_BLOCK: tl.constexpr, PREC: tl.constexpr):
+    """Everything of the head that does not need the lattice's rows, as independent programs
+    of one launch. Programs, in order:
+    - `topk_rows` (N * S, or 0 when the caller brings candidates): one slot's top-k each;
+    - 2 * N * WIDTH / BN: one BN-column strip of hidden_proj(h) for the S slots (a slot's K
+      rows share it) or of anchor_proj(anchor) without its bias (one row), so the wide
+      [DW, WIDTH] weights are read by many SMs at once;
+    - the rest read WARM_BLOCK elements each of the head's packed weights and discard them:
+      the head program, one SM's latency-bound walk through them, then finds them in L2.
+      Inside a decoding step the target's and the drafter's weights have evicted them."""
+    pid = tl.program_id(0)
+    STRIPS: tl.constexpr = WIDTH // BN
+    projections = 2 * N * STRIPS
+    if pid < topk_rows:
+        _slot_topk(logits, cand, cand_logp, pid, V, K, BV)
+    elif pid < topk_rows + projections:
+        j = pid - topk_rows
+        cols = (j % STRIPS) * BN + tl.arange(0, BN)
+        n = (j // STRIPS) % N
         rows = tl.arange(0, BS)
-        ok = rows < S
-        x = _rows_mm(slot_hidden + (n * S + rows) * DW, ok, hid_w, cols, DW, WIDTH, BS, BN, BD, PREC)
-        tl.store(hid_out + (n * S + rows[:, None]) * WIDTH + cols[None, :], x, mask=ok[:, None])
+        if j < N * STRIPS:
+            ok = rows < S
+            x = _rows_mm(slot_hidden + (n * S + rows) * DW, ok, hid_w, cols, DW, WIDTH, BS, BN, BD, PREC)
+            tl.store(hid_out + (n * S + rows[:, None]) * WIDTH + cols[None, :], x, mask=ok[:, None])
+        else:
+            ok = rows < 1
+            x = _rows_mm(anchor + n * DW + rows, ok, anc_w, cols, DW, WIDTH, BS, BN, BD, PREC)
+            tl.store(anc_out + n * WIDTH + rows[:, None] + cols[None, :], x, mask=ok[:, None])
     else:
-        # one row: a vector-matrix product on the CUDA cores, no tensor-core tile to fill
-        offs_d = tl.arange(0, BD)
-        a = _vec(anc_b, cols)
-        for d0 in tl.range(0, DW, BD):
-            d = d0 + offs_d
-            av = tl.load(anchor + n * DW + d, mask=d < DW, other=0.0).to(tl.float32)
-            w = tl.load(anc_w + d[:, None] * WIDTH + cols[None, :], mask=d[:, None] < DW, other=0.0)
-            a += tl.sum(av[:, None] * w.to(tl.float32), axis=0)
-        # the module's a is a weight-dtype tensor
-        tl.store(anc_out + n * WIDTH + cols, a.to(anc_w.dtype.element_ty).to(tl.float32))
+        j = pid - topk_rows - projections
+        offs = j * WARM_BLOCK + tl.arange(0, WARM_BLOCK)
+        w = tl.load(warm + offs, mask=offs < warm_numel, other=0.0)
+        tl.store(warm_sink + j, tl.sum(w.to(tl.float32), axis=0))     # a use, so the load stays
 
 
 @triton.jit
@@ -201,7 +224,7 @@ def _attention_stacked(q, k, v, rel_bias, same_bias, K: tl.constexpr, L: tl.cons
 
 @triton.jit
 def _lilicorr_head_kernel(
-        cand, cand_logp, tok_x, hid_x, anc_x, factors,
+        cand, cand_logp, token_table, hid_x, anc_x, anc_b, factors,
         feat_ln_w, feat_ln_b, f1_w, f1_b, f2_w, f2_b, slot_emb, rank_emb,
         ln1_w, ln1_b, qkv_w, qkv_b, o_w, o_b, ln2_w, ln2_b, m1_w, m1_b, m2_w, m2_b,
         rel_bias, same_bias, fuse_w, fuse_b, out_w, in_w, a_w,
@@ -221,10 +244,12 @@ def _lilicorr_head_kernel(
     OP: tl.constexpr = f2_w.dtype.element_ty      # matmul operand dtype: the weights'
     offs_m = tl.arange(0, BM)
 
-    # -- per-candidate input: the projections (from _lattice_inputs_kernel), feat_mlp, embeddings
+    # -- per-candidate input: token_proj(E[c]) is a row of the projected table, hidden_proj(h)
+    # comes from the prologue; then feat_mlp and the embeddings
     tok = tl.load(cand + n * L + offs_l, mask=l_mask, other=0)
     row_w = offs_l[:, None] * WIDTH + offs_w[None, :]
-    x = tl.load(tok_x + n * L * WIDTH + row_w, mask=l_mask[:, None], other=0.0)
+    tok_row = tok.to(tl.int32) * WIDTH             # 32-bit offsets: 64-bit ones cost registers
+    x = tl.load(token_table + tok_row[:, None] + offs_w[None, :], mask=l_mask[:, None], other=0.0).to(tl.float32)
     x += tl.load(hid_x + (n * S + slot[:, None]) * WIDTH + offs_w[None, :], mask=l_mask[:, None], other=0.0)
 
     # the five log-prob features, LayerNorm(5), Linear(5, w) as five outer products, SiLU
@@ -281,7 +306,7 @@ def _lilicorr_head_kernel(
 
     # -- fusion with the anchor row a: F = silu(W [x; a; x*a]). a is one row, so its part of
     # the product (and w_a's) is a vector-matrix product; normalised out / in factors
-    a = tl.load(anc_x + n * WIDTH + offs_w)
+    a = (tl.load(anc_x + n * WIDTH + offs_w) + _vec(anc_b, offs_w)).to(OP).to(tl.float32)   # as the module's
     f = (_mm(x, fuse_w, WIDTH, offs_w, offs_w, PREC)
          + _mm(x * a[None, :], fuse_w, WIDTH, 2 * WIDTH + offs_w, offs_w, PREC)
          + (_row_times(a, fuse_w, WIDTH, offs_w, WIDTH) + _vec(fuse_b, offs_w))[None, :])
@@ -319,22 +344,6 @@ def _lilicorr_head_kernel(
         pick = tl.argmax(tl.where(k_ok, row, float("-inf")), axis=0)
         tl.store(ranks_out + n * S + s_i, pick)
         tl.store(tokens_out + n * S + s_i, tl.load(cand + n * L + s_i * K + pick))
-
-
-@triton.jit
-def _lattice_topk_kernel(logits, cand, cand_logp, V, K: tl.constexpr, BV: tl.constexpr):
-    """One slot's top-K tokens and log-probs (log_softmax values, best first; the first
-    index on ties). One program per slot: the row sits in registers, K max-and-mask passes."""
-    r = tl.program_id(0)
-    offs = tl.arange(0, BV)
-    x = tl.load(logits + r * V + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-    m = tl.max(x, axis=0)
-    lse = m + tl.log(tl.sum(tl.exp(x - m), axis=0))
-    for j in tl.static_range(K):
-        val, idx = tl.max(x, axis=0, return_indices=True)
-        tl.store(cand + r * K + j, idx)
-        tl.store(cand_logp + r * K + j, val - lse)
-        x = tl.where(offs == idx, float("-inf"), x)
 
 
 MAX_TOPK_VOCAB = 65536        # a row in one program's registers; larger vocabularies use torch
@@ -380,15 +389,21 @@ def unsupported(head: nn.Module, slots: int, top_k: int) -> str | None:
 
 
 class FusedLiLiCorrHead:
-    """A `LiLiCorrHead`'s weights, transposed once to [in, out], and the fused forward.
+    """A `LiLiCorrHead`'s weights, packed once, and the fused forward in two launches:
+    `_head_prologue_kernel` (top-k, the wide input projections, an L2 warm-up of the weights)
+    and `_lilicorr_head_kernel` (the rest of the head and the walk).
 
-    `__call__(cand, cand_logp, slot_hidden, anchor)` returns fp32 start [N, k],
-    fp32 pair [N, S-1, k, k], the greedy walk's ranks [N, S] and its tokens [N, S]: two
-    launches, the input projections (`_lattice_inputs_kernel`) and the rest of the head with
-    the walk (`_lilicorr_head_kernel`). The packed copies are made at construction: rebuild
-    after the head's weights change. num_warps, mlp_block (the MLP's hidden columns per
-    product; default all of them up to 256) and stacked_heads (`_attention_stacked`, else
-    `_attention_per_head`) change the speed, not the result.
+    - `draft(logits, slot_hidden, anchor)`: slot logits -> candidates, their log-probs,
+      fp32 start [N, k], fp32 pair [N, S-1, k, k], the greedy walk's ranks [N, S] and its
+      tokens [N, S].
+    - `__call__(cand, cand_logp, slot_hidden, anchor)`: the same from given candidates.
+
+    At construction the weights are transposed to [in, out] and packed into one buffer, and
+    token_proj is applied to the whole (frozen) embedding table: a candidate's token
+    projection is then a row gather, the module's own bf16 row. Rebuild after the head's
+    weights change. num_warps, mlp_block (the MLP's hidden columns per product; default all
+    of them up to 256) and stacked_heads (`_attention_stacked`, else `_attention_per_head`)
+    change the speed, not the result.
     """
 
     def __init__(self, head: nn.Module, slots: int, top_k: int, embed_weight: torch.Tensor,
@@ -404,24 +419,27 @@ class FusedLiLiCorrHead:
         self.num_warps, self.stacked_heads = num_warps, stacked_heads
         self.rows = max(16, triton.next_power_of_2(slots * top_k))    # lattice rows, padded
         self.compiled: dict = {}
-        t = lambda lin: lin.weight.detach().t().contiguous()                      # noqa: E731
-        stack = lambda f: torch.stack([f(layer).detach() for layer in head.layers]).contiguous()  # noqa: E731
         self.dtype = head.token_proj.weight.dtype
-        self.input_weights = [t(head.token_proj), t(head.hidden_proj), t(head.anchor_proj),
-                              head.anchor_proj.bias.detach()]
-        self.weights = [
-            head.feat_norm.weight.detach(), head.feat_norm.bias.detach(),
-            t(head.feat_mlp[0]), head.feat_mlp[0].bias.detach(), t(head.feat_mlp[2]), head.feat_mlp[2].bias.detach(),
-            head.slot_emb.weight.detach(), head.rank_emb.weight.detach(),
+        t = lambda lin: lin.weight.detach().t()                                   # noqa: E731
+        stack = lambda f: torch.stack([f(layer).detach() for layer in head.layers])  # noqa: E731
+        self.hid_w, self.anc_w = (t(head.hidden_proj).contiguous(), t(head.anchor_proj).contiguous())
+        self.packed, self.weights = _pack([
+            head.feat_norm.weight, head.feat_norm.bias,
+            t(head.feat_mlp[0]), head.feat_mlp[0].bias, t(head.feat_mlp[2]), head.feat_mlp[2].bias,
+            head.slot_emb.weight, head.rank_emb.weight,
             stack(lambda l: l.attn_norm.weight), stack(lambda l: l.attn_norm.bias),
             stack(lambda l: l.qkv.weight.t()), stack(lambda l: l.qkv.bias),
             stack(lambda l: l.o_proj.weight.t()), stack(lambda l: l.o_proj.bias),
             stack(lambda l: l.mlp_norm.weight), stack(lambda l: l.mlp_norm.bias),
             stack(lambda l: l.mlp[0].weight.t()), stack(lambda l: l.mlp[0].bias),
             stack(lambda l: l.mlp[2].weight.t()), stack(lambda l: l.mlp[2].bias),
-            head.rel_slot_bias.detach().contiguous(), head.same_slot_bias.detach().contiguous(),
-            t(head.fuse), head.fuse.bias.detach(), t(head.w_out), t(head.w_in), t(head.w_a)]
-        self.embed = embed_weight.detach().to(self.dtype).contiguous()     # the target's, frozen
+            head.rel_slot_bias, head.same_slot_bias,
+            t(head.fuse), head.fuse.bias, t(head.w_out), t(head.w_in), t(head.w_a)], self.dtype)
+        self.anc_b = head.anchor_proj.bias.detach().contiguous()
+        self.token_table = _token_table(head.token_proj, embed_weight)
+        self.warm_block = 8192
+        self.warm_programs = triton.cdiv(self.packed.numel(), self.warm_block)
+        self.warm_sink = torch.empty(self.warm_programs, device=self.packed.device, dtype=torch.float32)
         self.layers = len(head.layers)
         # fp32 weights: tf32x3 products (fp32-accurate on tensor cores; plain tf32 would cost
         # ~1e-3, and IEEE FMA dots made this kernel slow to compile and run); bf16: bf16 dots
@@ -433,29 +451,50 @@ class FusedLiLiCorrHead:
 
     def __call__(self, cand: torch.Tensor, cand_logp: torch.Tensor, slot_hidden: torch.Tensor,
                  anchor: torch.Tensor):
-        c, S, k = self.config, self.slots, self.top_k
+        S, k = self.slots, self.top_k
         if cand.shape[1:] != (S, k) or cand_logp.shape != cand.shape:
             raise ValueError(f"expected a lattice [N, {S}, {k}], got {tuple(cand.shape)}")
-        cand = cand.contiguous()
-        return self.body(cand, cand_logp, *self.inputs(cand, slot_hidden, anchor))
+        return self.body(cand, cand_logp, *self.inputs(slot_hidden, anchor)[2:])
 
-    def inputs(self, cand: torch.Tensor, slot_hidden: torch.Tensor, anchor: torch.Tensor):
-        """The first launch: fp32 token_proj(E[c]) [N, S*k, w], hidden_proj(h) [N, S, w] and
-        the anchor row a [N, w] (rounded to the weight dtype, as the module's)."""
+    def draft(self, logits: torch.Tensor, slot_hidden: torch.Tensor, anchor: torch.Tensor):
+        """Slot logits [N, S, V] -> (candidates, their log-probs, start, pair, ranks, tokens):
+        `specla.drafters.lilicorr.lattice` + `greedy_walk` in two launches."""
+        if logits.shape[1] != self.slots:
+            raise ValueError(f"expected logits [N, {self.slots}, V], got {tuple(logits.shape)}")
+        if logits.shape[-1] > MAX_TOPK_VOCAB:
+            cand, cand_logp = lattice_topk(logits, self.top_k)
+            return (cand, cand_logp, *self(cand, cand_logp, slot_hidden, anchor))
+        cand, cand_logp, hid_x, anc_x = self.inputs(slot_hidden, anchor, logits)
+        return (cand, cand_logp, *self.body(cand, cand_logp, hid_x, anc_x))
+
+    def inputs(self, slot_hidden: torch.Tensor, anchor: torch.Tensor, logits: torch.Tensor | None = None):
+        """The first launch -> (candidates and log-probs [N, S, k], or None without logits;
+        fp32 hidden_proj(h) [N, S, w] and anchor_proj(anchor) without its bias [N, w]). It
+        also reads the packed weights into L2."""
         c, S, k = self.config, self.slots, self.top_k
-        N, W = cand.shape[0], c.width
-        f32 = dict(device=cand.device, dtype=torch.float32)
-        tok_x, hid_x, anc_x = torch.empty(N, S * k, W, **f32), torch.empty(N, S, W, **f32), torch.empty(N, W, **f32)
-        BN = min(W, 32)
-        self.compiled["inputs"] = _lattice_inputs_kernel[(W // BN, 3, N)](
-            cand, slot_hidden.to(self.dtype).contiguous(), anchor.to(self.dtype).contiguous(), self.embed,
-            *self.input_weights, tok_x, hid_x, anc_x,
-            S=S, K=k, BL=self.rows, BS=max(16, triton.next_power_of_2(S)), D=self.embed.shape[1],
-            DW=c.drafter_width, WIDTH=W, BN=BN, BD=128, PREC=self.precision, num_warps=4)
-        return tok_x, hid_x, anc_x
+        N, W, dev = slot_hidden.shape[0], c.width, slot_hidden.device
+        f32 = dict(device=dev, dtype=torch.float32)
+        hid_x, anc_x = torch.empty(N, S, W, **f32), torch.empty(N, W, **f32)
+        cand = cand_logp = None
+        V = topk_rows = 0
+        if logits is not None:
+            logits = logits.float().contiguous()
+            V, topk_rows = logits.shape[-1], N * S
+            cand = torch.empty(N, S, k, device=dev, dtype=torch.int64)
+            cand_logp = torch.empty(N, S, k, **f32)
+        BN = 16 if c.drafter_width > 512 else min(W, 32)         # wide inputs: more, narrower strips
+        grid = topk_rows + 2 * N * (W // BN) + self.warm_programs
+        self.compiled["inputs"] = _head_prologue_kernel[(grid,)](
+            logits if logits is not None else hid_x, cand if cand is not None else hid_x,
+            cand_logp if cand_logp is not None else hid_x, V, topk_rows,
+            slot_hidden.to(self.dtype).contiguous(), anchor.to(self.dtype).contiguous(), self.hid_w, self.anc_w,
+            hid_x, anc_x, self.packed, self.packed.numel(), self.warm_sink, N,
+            K=k, BV=triton.next_power_of_2(max(V, 16)), S=S, BS=max(16, triton.next_power_of_2(S)),
+            DW=c.drafter_width, WIDTH=W, BN=BN, BD=128, WARM_BLOCK=self.warm_block,
+            PREC=self.precision, num_warps=8 if V > 8192 else 4)
+        return cand, cand_logp, hid_x, anc_x
 
-    def body(self, cand: torch.Tensor, cand_logp: torch.Tensor, tok_x: torch.Tensor, hid_x: torch.Tensor,
-             anc_x: torch.Tensor):
+    def body(self, cand: torch.Tensor, cand_logp: torch.Tensor, hid_x: torch.Tensor, anc_x: torch.Tensor):
         """The second launch: the rest of the head and the walk -> start, pair, ranks, tokens."""
         c, S, k = self.config, self.slots, self.top_k
         N, dev = cand.shape[0], cand.device
@@ -465,8 +504,8 @@ class FusedLiLiCorrHead:
         tokens = torch.empty(N, S, device=dev, dtype=torch.int64)
         factors = torch.empty(N, 2, S * k, c.width, device=dev, dtype=torch.float32)   # scratch
         self.compiled["body"] = _lilicorr_head_kernel[(N,)](
-            cand, cand_logp.float().contiguous(), tok_x, hid_x, anc_x, factors,
-            *self.weights, start, pair, ranks, tokens,
+            cand.contiguous(), cand_logp.float().contiguous(), self.token_table, hid_x, anc_x, self.anc_b,
+            factors, *self.weights, start, pair, ranks, tokens,
             self.eps, self.feat_eps, float(c.scale),
             S=S, K=k, BL=self.rows, WIDTH=c.width, HEADS=c.heads, LAYERS=self.layers, MLP=c.mlp_hidden,
             BM=self.mlp_block, MAX_SLOTS=c.max_slots, RANK_DEN=max(k - 1, 1),
@@ -480,11 +519,28 @@ class FusedLiLiCorrHead:
         return {name: {"registers": getattr(kern, "n_regs", None), "spills": getattr(kern, "n_spills", None)}
                 for name, kern in self.compiled.items()}
 
-    def draft(self, logits: torch.Tensor, slot_hidden: torch.Tensor, anchor: torch.Tensor):
-        """Slot logits [N, S, V] -> (candidates, their log-probs, start, pair, ranks, tokens):
-        `specla.drafters.lilicorr.lattice` + `greedy_walk` in three kernels."""
-        cand, cand_logp = lattice_topk(logits, self.top_k)
-        return (cand, cand_logp, *self(cand, cand_logp, slot_hidden, anchor))
+
+def _pack(tensors: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One contiguous buffer holding every tensor (each 64-element aligned) and views of it
+    in the tensors' shapes: the prologue warms them all with one flat read."""
+    sizes = [(t.numel() + 63) // 64 * 64 for t in tensors]
+    packed = torch.zeros(sum(sizes), device=tensors[0].device, dtype=dtype)
+    views, offset = [], 0
+    for t, size in zip(tensors, sizes):
+        view = packed[offset:offset + t.numel()].view(t.shape)
+        view.copy_(t.detach())
+        views.append(view)
+        offset += size
+    return packed, views
+
+
+@torch.no_grad()
+def _token_table(token_proj: nn.Linear, embed_weight: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+    """token_proj over every row of the embedding [V, d] -> [V, w] in the weight dtype: the
+    rows the module computes for its candidates, each a row of this table."""
+    dtype = token_proj.weight.dtype
+    return torch.cat([token_proj(embed_weight[i:i + chunk].detach().to(dtype))
+                      for i in range(0, embed_weight.shape[0], chunk)]).contiguous()
 
 
 __all__ = ["FusedLiLiCorrHead", "lattice_topk", "unsupported"]

@@ -241,6 +241,26 @@ def check_lilicorr_head(shape: str, dtype, device, seed: int = 0, N: int = 2, **
     return problems
 
 
+def check_lilicorr_draft(shape: str, device, seed: int = 0, N: int = 2) -> list[str]:
+    """`draft` (top-k inside the prologue launch) against `lattice_topk` and then the fused
+    head on those candidates: the same candidates, and bit for bit the same scores and walk."""
+    from kernels.triton_lilicorr import FusedLiLiCorrHead, lattice_topk
+    fields, S, k, vocab = HEAD_SHAPES[shape]
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(N, S, vocab, generator=gen) * 4).to(device)
+    hidden = torch.randn(N, S, fields["drafter_width"], generator=gen).to(device, dtype)
+    anchor = torch.randn(N, fields["drafter_width"], generator=gen).to(device, dtype)
+    embed = torch.randn(vocab, fields["target_hidden"], generator=gen).to(device)
+    with torch.no_grad():
+        fused = FusedLiLiCorrHead(random_head(fields, seed).to(device, dtype), S, k, embed)
+        got = fused.draft(logits, hidden, anchor)
+        cand, logp = lattice_topk(logits, k)
+        want = (cand, logp, *fused(cand, logp, hidden, anchor))
+    names = ("candidates", "log-probs", "start", "pair", "ranks", "tokens")
+    return [f"draft's {name} differ" for name, g, w in zip(names, got, want) if not torch.equal(g, w)]
+
+
 def check_lattice_topk(N: int, S: int, V: int, k: int, device, seed: int = 0) -> list[str]:
     """The top-k kernel against `candidates` (log_softmax + topk): the same tokens in the same
     order (random logits have no ties) and log-probs to fp32 rounding."""
@@ -343,6 +363,12 @@ def test_lilicorr_head_matches_module(shape, dtype, options):
     assert not check_lilicorr_head(shape, dtype, "cuda", seed=len(shape), **options)
 
 
+@needs_cuda
+@pytest.mark.parametrize("shape", ["embedded", "wide"])
+def test_lilicorr_draft_matches_topk_then_head(shape):
+    assert not check_lilicorr_draft(shape, "cuda", seed=3)
+
+
 def test_lilicorr_head_bad_inputs():
     pytest.importorskip("triton")
     from kernels.triton_lilicorr import FusedLiLiCorrHead
@@ -363,6 +389,9 @@ def test_lilicorr_head_bad_inputs():
     with pytest.raises(ValueError, match="lattice"):
         fused(torch.zeros(1, S, k + 1, dtype=torch.long), torch.zeros(1, S, k + 1),
               torch.zeros(1, S, fields["drafter_width"]), torch.zeros(1, fields["drafter_width"]))
+    with pytest.raises(ValueError, match="logits"):
+        fused.draft(torch.zeros(1, S + 1, vocab), torch.zeros(1, S, fields["drafter_width"]),
+                    torch.zeros(1, fields["drafter_width"]))
 
 
 @needs_cuda
@@ -487,6 +516,8 @@ def interpreter_cases(group: str):
         for shape in ("embedded", "deep"):
             yield (f"lilicorr-{shape}-stacked-attention",
                    lambda shape=shape: check_lilicorr_head(shape, torch.bfloat16, dev, seed=5, stacked_heads=True))
+        for shape in ("odd", "wide"):
+            yield f"lilicorr-draft-{shape}", lambda shape=shape: check_lilicorr_draft(shape, dev, seed=6)
         return
     if group == "commit":
         for T in (0, 1, 5):

@@ -1,0 +1,134 @@
+"""Registers and spills of the fused LiLiCorr head's launches for an H100/H200 (sm_90),
+on a machine without a GPU:
+
+    python kernels/ptxas_check.py [--top-k 4 8] [--shape embedded gdn-1.3b]
+
+Each launch of `FusedLiLiCorrHead.draft` is recorded instead of run, compiled by Triton for
+sm_90, and its PTX assembled by the ptxas that ships with Triton, which reports the
+registers a thread uses and the bytes it spills. What bounds the head program is register
+pressure, and its H200 times have tracked these counts (benchmarks/results/h200/README.md,
+session 5), so a change can be checked here before it costs device time.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import kernels.triton_lilicorr as fused_head  # noqa: E402
+from kernels.bench_lilicorr import SHAPES, SLOTS  # noqa: E402
+from specla.drafters.lilicorr import HeadConfig, LiLiCorrHead  # noqa: E402
+
+POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
+                 torch.int32: "*i32"}
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+class _Recorder:
+    """Stands in for a @triton.jit kernel: `kernel[grid](*args, **kwargs)` records the call."""
+
+    def __init__(self, kernel, calls: list):
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        def record(*args, **kwargs):
+            self.calls.append((self.kernel, args, kwargs))
+            return None
+        return record
+
+
+def recorded_launches(call, names: list[str]) -> list:
+    """Run `call()` with the module-level kernels `names` of triton_lilicorr recording their
+    launches -> [(kernel, args, kwargs)]."""
+    calls: list = []
+    originals = {name: getattr(fused_head, name) for name in names}
+    try:
+        for name, kernel in originals.items():
+            setattr(fused_head, name, _Recorder(kernel, calls))
+        call()
+    finally:
+        for name, kernel in originals.items():
+            setattr(fused_head, name, kernel)
+    return calls
+
+
+def compile_sm90(kernel, args: tuple, kwargs: dict):
+    """Compile one recorded launch for sm_90 -> Triton's CompiledKernel (PTX in .asm["ptx"])."""
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    constexprs = {k: v for k, v in kwargs.items() if k not in options}
+    names = kernel.arg_names
+    signature = {}
+    for name, value in zip(names, args):
+        if isinstance(value, torch.Tensor):
+            signature[name] = POINTER_TYPES[value.dtype]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    signature.update({name: "constexpr" for name in constexprs})
+    source = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 64), options=options)
+
+
+def ptxas_usage(ptx: str) -> dict:
+    """ptxas -v on the PTX -> registers a thread and spill bytes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.ptx"
+        path.write_text(ptx)
+        proc = subprocess.run([str(PTXAS), "-arch=sm_90a", "-v", str(path), "-o", os.devnull],
+                              capture_output=True, text=True)
+    text = proc.stdout + proc.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    if proc.returncode or not (regs and spills):
+        raise RuntimeError(f"ptxas failed: {text[-500:]}")
+    return {"registers": int(regs.group(1)), "spill_stores": int(spills.group(1)),
+            "spill_loads": int(spills.group(2))}
+
+
+def head_launches(fields: dict, top_k: int, vocab: int = 32000, **options) -> list:
+    """The two launches of `draft` for a bf16 head of `fields` over a SLOTS x top_k lattice."""
+    head = LiLiCorrHead(HeadConfig(**fields)).to(torch.bfloat16)
+    fused = fused_head.FusedLiLiCorrHead(head, SLOTS, top_k, torch.zeros(vocab, fields["target_hidden"]), **options)
+    logits = torch.zeros(1, SLOTS, vocab)
+    hidden, anchor = torch.zeros(1, SLOTS, fields["drafter_width"]), torch.zeros(1, fields["drafter_width"])
+    return recorded_launches(lambda: fused.draft(logits, hidden, anchor),
+                             ["_head_prologue_kernel", "_lilicorr_head_kernel"])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--top-k", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--shape", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--stacked-heads", action="store_true")
+    parser.add_argument("--num-warps", type=int, default=8)
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("unset TRITON_INTERPRET: this compiles the kernels")
+    print("| shape | top-k | launch | registers | spill stores (bytes) | spill loads (bytes) |")
+    print("|---|---|---|---|---|---|")
+    for shape in args.shape:
+        for top_k in args.top_k:
+            launches = head_launches(SHAPES[shape], top_k, stacked_heads=args.stacked_heads,
+                                     num_warps=args.num_warps)
+            for kernel, call_args, kwargs in launches:
+                use = ptxas_usage(compile_sm90(kernel, call_args, kwargs).asm["ptx"])
+                print(f"| {shape} | {top_k} | {kernel.__name__} | {use['registers']} | {use['spill_stores']} | "
+                      f"{use['spill_loads']} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
