@@ -73,7 +73,7 @@ def lattice_inputs(fields: dict, top_k: int, seed: int = 0):
     """(candidates, log-probs, slot hiddens, anchor), slot logits and a target embedding."""
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(1, SLOTS, VOCAB, generator=gen) * 4
-    cand, logp = torch.log_softmax(logits, -1).topk(top_k, -1)
+    logp, cand = torch.log_softmax(logits, -1).topk(top_k, -1)
     hidden = torch.randn(1, SLOTS, fields["drafter_width"], generator=gen)
     anchor = torch.randn(1, fields["drafter_width"], generator=gen)
     embed = torch.randn(VOCAB, fields["target_hidden"], generator=gen) * 0.02

@@ -65,20 +65,29 @@ def recorded_launches(call, names: list[str]) -> list:
 
 
 def compile_sm90(kernel, args: tuple, kwargs: dict):
-    """Compile one recorded launch for sm_90 -> Triton's CompiledKernel (PTX in .asm["ptx"])."""
+    """Compile one recorded launch for sm_90 -> Triton's CompiledKernel (PTX in .asm["ptx"]),
+    specialised as Triton's launcher would: pointers and integers divisible by 16 marked so
+    (else no vector loads), integers equal to 1 made constants."""
     options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
     constexprs = {k: v for k, v in kwargs.items() if k not in options}
     names = kernel.arg_names
-    signature = {}
-    for name, value in zip(names, args):
+    signature, attrs = {}, {}
+    for i, (name, value) in enumerate(zip(names, args)):
         if isinstance(value, torch.Tensor):
             signature[name] = POINTER_TYPES[value.dtype]
+            aligned = value.data_ptr() % 16 == 0
         elif isinstance(value, float):
-            signature[name] = "fp32"
+            signature[name], aligned = "fp32", False
+        elif value == 1:
+            signature[name], aligned = "constexpr", False
+            constexprs[name] = 1
         else:
-            signature[name] = "i32"
+            signature[name], aligned = "i32", value % 16 == 0
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
     signature.update({name: "constexpr" for name in constexprs})
-    source = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    source = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                       attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 64), options=options)
 
 
