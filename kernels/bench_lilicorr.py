@@ -1,17 +1,16 @@
 """Micro-benchmark of the fused LiLiCorr head (kernels/triton_lilicorr.py), on a GPU.
 
     python kernels/bench_lilicorr.py --out DIR [--baseline OLD_triton_lilicorr.py]
-        [--shape embedded gdn-1.3b] [--top-k 4 8] [--options default stacked]
+        [--shape embedded gdn-1.3b] [--top-k 4 8] [--options default warps4]
 
 For the embedded drafter's head shape and the same head in front of a GDN-1.3B-sized pair
 (2048-wide inputs, a 32000-token vocabulary), each with bf16 random weights and a random
 lattice of 7 slots x 4 or x 8 candidates, times:
   torch      the module (`LiLiCorrHead.forward`) + `greedy_walk`
-  fused      each launch option (per-head attention with 8 warps, the default; stacked with
-             4): `draft` from slot logits (top-k included), warm and with L2 flushed before
-             every call (as inside a decoding step, where the target's weights evict the
-             head's); the call on given candidates; the prologue and head launches alone;
-             registers and spills
+  fused      each launch option (8 warps, the default; 4 warps): `draft` from slot logits
+             (top-k included), warm and with L2 flushed before every call (as inside a
+             decoding step, where the target's weights evict the head's); the call on given
+             candidates; the prologue and head launches alone; registers and spills
   layers     the head launch of the same head with 1 lattice layer instead of 2 (a layer's
              cost is the difference)
   baseline   `--baseline`: an earlier triton_lilicorr.py (e.g. `git show 9779ca8:kernels/
@@ -45,7 +44,7 @@ SHAPES = {  # name: HeadConfig fields (S = 7 slots, k = 8 candidates, as the emb
                      max_slots=7, max_k=8),
 }
 SLOTS, TOP_KS, VOCAB = 7, (4, 8), 32000    # the measured LiLiCorr chains draft from top-4 lattices
-OPTIONS = {"default": dict(stacked_heads=False, num_warps=8), "stacked": dict(stacked_heads=True, num_warps=4)}
+OPTIONS = {"default": {}, "warps4": dict(num_warps=4)}
 FLUSH_BYTES = 256 << 20                     # over 4x an H100 / H200 L2 (50 MB)
 
 

@@ -1,13 +1,13 @@
-"""Registers and spills of the fused LiLiCorr head's launches for an H100/H200 (sm_90),
-on a machine without a GPU:
+"""Instructions, registers and spills of the fused LiLiCorr head's launches for an H100 /
+H200 (sm_90), on a machine without a GPU:
 
     python kernels/ptxas_check.py [--top-k 4 8] [--shape embedded gdn-1.3b]
 
-Each launch of `FusedLiLiCorrHead.draft` is recorded instead of run, compiled by Triton for
-sm_90, and its PTX assembled by the ptxas that ships with Triton, which reports the
-registers a thread uses and the bytes it spills. What bounds the head program is register
-pressure, and its H200 times have tracked these counts (benchmarks/results/h200/README.md,
-session 5), so a change can be checked here before it costs device time.
+Each launch of `FusedLiLiCorrHead.draft` is recorded instead of run and compiled by Triton
+for sm_90. The ptxas that ships with Triton assembles its PTX and reports the registers a
+thread uses and the bytes it spills; Triton's cuobjdump lists the machine code. The head
+program's H200 times have tracked these counts (benchmarks/results/h200/README.md, sessions
+5 and 6), so a change can be checked here before it costs device time.
 """
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ from specla.drafters.lilicorr import HeadConfig, LiLiCorrHead  # noqa: E402
 
 POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
                  torch.int32: "*i32"}
-PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+PTXAS, CUOBJDUMP = NVIDIA_BIN / "ptxas", NVIDIA_BIN / "cuobjdump"
 
 
 class _Recorder:
@@ -107,6 +108,17 @@ def ptxas_usage(ptx: str) -> dict:
             "spill_loads": int(spills.group(2))}
 
 
+def sass_instructions(cubin: bytes) -> int:
+    """The number of machine instructions in a compiled kernel (cuobjdump -sass). The head
+    program runs most of them once, so inside a decoding step, where the target's weights
+    have evicted its code from L2, each one is fetched cold."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        sass = subprocess.run([str(CUOBJDUMP), "-sass", str(path)], capture_output=True, text=True).stdout
+    return sum(1 for line in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]+\*/\s+\S.*;", line))
+
+
 def head_launches(fields: dict, top_k: int, vocab: int = 32000, **options) -> list:
     """The two launches of `draft` for a bf16 head of `fields` over a SLOTS x top_k lattice."""
     head = LiLiCorrHead(HeadConfig(**fields)).to(torch.bfloat16)
@@ -121,21 +133,20 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--top-k", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--shape", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--stacked-heads", action="store_true")
     parser.add_argument("--num-warps", type=int, default=8)
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: this compiles the kernels")
-    print("| shape | top-k | launch | registers | spill stores (bytes) | spill loads (bytes) |")
-    print("|---|---|---|---|---|---|")
+    print("| shape | top-k | launch | instructions | registers | spill stores (bytes) | spill loads (bytes) |")
+    print("|---|---|---|---|---|---|---|")
     for shape in args.shape:
         for top_k in args.top_k:
-            launches = head_launches(SHAPES[shape], top_k, stacked_heads=args.stacked_heads,
-                                     num_warps=args.num_warps)
+            launches = head_launches(SHAPES[shape], top_k, num_warps=args.num_warps)
             for kernel, call_args, kwargs in launches:
-                use = ptxas_usage(compile_sm90(kernel, call_args, kwargs).asm["ptx"])
-                print(f"| {shape} | {top_k} | {kernel.__name__} | {use['registers']} | {use['spill_stores']} | "
-                      f"{use['spill_loads']} |", flush=True)
+                compiled = compile_sm90(kernel, call_args, kwargs)
+                use = ptxas_usage(compiled.asm["ptx"])
+                print(f"| {shape} | {top_k} | {kernel.__name__} | {sass_instructions(compiled.asm['cubin'])} | "
+                      f"{use['registers']} | {use['spill_stores']} | {use['spill_loads']} |", flush=True)
     return 0
 
 

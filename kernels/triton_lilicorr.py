@@ -1,9 +1,11 @@
-"""The LiLiCorr head as Triton kernels. Three launches:
-- `_lattice_topk_kernel`: each slot's top-k (log_softmax + top-k).
-- `_lattice_inputs_kernel`: the projections of the wide inputs (candidate embeddings, slot
-  hiddens, the anchor row), spread over column strips.
+"""The LiLiCorr head as Triton kernels. Two launches:
+- `_head_prologue_kernel`: what needs no candidates' rows, in parallel programs. That is each
+  slot's top-k (log_softmax + top-k), the projections of the wide inputs (slot hiddens, the
+  anchor row) in column strips, and a read of the head's packed weights into L2.
 - `_lilicorr_head_kernel`: the rest in one program per lattice. That is the features, the
   lattice transformer, fusion with the anchor row, every adjacent pair score and the greedy walk.
+A candidate's token projection token_proj(E[c]) is a row of token_proj(E), computed once.
+`lattice_topk` (`_lattice_topk_kernel`) is the top-k alone.
 
 The reference is `specla.drafters.lilicorr.LiLiCorrHead.forward` + `greedy_walk`: plain torch,
 the trained module itself.
@@ -11,18 +13,22 @@ the trained module itself.
 Why kernels: the head is tiny (a 7 x 4 or 7 x 8 lattice, width 128, 2 layers). As torch ops it
 is ~100 launches, 0.17-0.25 ms inside a CUDA graph on an H200.
 
-H200 timings at top-4 (kernels/bench_lilicorr.py, benchmarks/results/h200/session5/):
-- The embedded head takes 0.059 ms a call.
-- A head with 2048-wide inputs takes 0.071 ms, of which the input launch is 0.015 ms.
-- Inside a GDN-1.3B-shape decoding step the head costs 4.0% of the step.
+H200 timings, 7 x 4 lattice, 2048-wide inputs (kernels/bench_lilicorr.py and
+`python -m specla bench --suite head`, benchmarks/results/h200/session6/):
+- `draft` (top-k included) takes 0.068 ms with the weights in L2 and 0.081 ms with L2 flushed
+  (session 5's three launches: 0.082 and 0.132 ms).
+- Inside a GDN-1.3B-shape decoding step the head costs 2.2% of the step (session 5: 4.0%).
 
-What bounds the head program is register pressure. It holds [BL, w] fp32 tiles next to
-bf16 weight tiles at 255 registers a thread. Every design choice below was measured by its
-spills (Triton's bundled ptxas reports them for sm_90 without a GPU) and then timed on the
-H200, where time tracked the spills:
-- attention head by head, with the other heads' columns zeroed, not stacked;
+What costs inside a decoding step is what the target's weights evicted: the head's weights
+and the head program's own instructions, each fetched once from HBM by one SM. Hence the
+L2 read in the prologue, and runtime loops (layers, heads, walk slots) instead of unrolled
+ones: half the instructions. The head program also holds [BL, w] fp32 tiles next to bf16
+weight tiles at up to 255 registers a thread; `kernels/ptxas_check.py` counts the
+instructions, registers and spills for sm_90 without a GPU, and H200 times tracked them:
+- attention head by head, with the other heads' columns zeroed (all heads stacked in one
+  product was no faster in session 5, and with a runtime layer loop it needs 866 KB of
+  shared memory);
 - q, k and v kept in the operand dtype;
-- the anchor's parts as vector-matrix products;
 - the pair scores slot by slot from a scratch copy of the factors, not one [BL, BL] product.
 
 Arithmetic:
@@ -102,7 +108,7 @@ def _slot_topk(logits, cand, cand_logp, r, V, K: tl.constexpr, BV: tl.constexpr)
     x = tl.load(logits + r * V + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
     m = tl.max(x, axis=0)
     lse = m + tl.log(tl.sum(tl.exp(x - m), axis=0))
-    for j in tl.static_range(K):
+    for j in tl.range(0, K):
         val, idx = tl.max(x, axis=0, return_indices=True)
         tl.store(cand + r * K + j, idx)
         tl.store(cand_logp + r * K + j, val - lse)
@@ -190,39 +196,6 @@ def _attention_per_head(q, k, v, rel_bias, same_bias, K: tl.constexpr, L: tl.con
 
 
 @triton.jit
-def _attention_stacked(q, k, v, rel_bias, same_bias, K: tl.constexpr, L: tl.constexpr, BL: tl.constexpr,
-                       WIDTH: tl.constexpr, HEADS: tl.constexpr, MAX_SLOTS: tl.constexpr, PREC: tl.constexpr):
-    """`_attention_per_head` in two products for all heads: row h*BL + i of the stacked
-    queries is query i with the columns outside head h zeroed, so stacked @ k^T holds every
-    head's scores; with p_cat[i, h*BL + j] = p_h[i, j] and v stacked the same way,
-    p_cat @ v_stacked is the heads' outputs side by side. Fewer serial steps, HEADS times
-    larger tiles in registers."""
-    HD: tl.constexpr = WIDTH // HEADS
-    HB: tl.constexpr = HEADS * BL
-    offs_l = tl.arange(0, BL)
-    slot = offs_l // K
-    col_ok = (offs_l < L)[None, :]
-    hb = tl.arange(0, HB)
-    q_row = hb % BL                                 # the query of a stacked row
-    q_slot = q_row // K
-    q_head = hb // BL
-    rel = slot[None, :] - q_slot[:, None] + MAX_SLOTS - 1
-    same = (slot[None, :] == q_slot[:, None]) & (offs_l[None, :] != q_row[:, None])
-    in_head = (tl.arange(0, HEADS)[:, None, None] == (tl.arange(0, WIDTH) // HD)[None, None, :])
-    q_stacked = tl.reshape(tl.where(in_head, q[None, :, :], tl.zeros_like(q)[None, :, :]), (HB, WIDTH))
-    s = _dot(q_stacked, tl.trans(k), PREC) * (1.0 / math.sqrt(HD))                 # [HB, BL]
-    s += tl.load(rel_bias + q_head[:, None] * (2 * MAX_SLOTS - 1) + rel,
-                 mask=(q_row < L)[:, None] & col_ok, other=0.0).to(tl.float32)
-    s += tl.where(same, tl.load(same_bias + q_head).to(tl.float32)[:, None], 0.0)
-    s = tl.where(col_ok, s, float("-inf"))
-    p = tl.exp(s - tl.max(s, axis=1)[:, None])
-    p = p / tl.sum(p, axis=1)[:, None]
-    p_cat = tl.reshape(tl.permute(tl.reshape(p, (HEADS, BL, BL)), (1, 0, 2)), (BL, HB))
-    v_stacked = tl.reshape(tl.where(in_head, v[None, :, :], tl.zeros_like(v)[None, :, :]), (HB, WIDTH))
-    return _dot(p_cat, v_stacked, PREC)
-
-
-@triton.jit
 def _lilicorr_head_kernel(
         cand, cand_logp, token_table, hid_x, anc_x, anc_b, factors,
         feat_ln_w, feat_ln_b, f1_w, f1_b, f2_w, f2_b, slot_emb, rank_emb,
@@ -233,7 +206,7 @@ def _lilicorr_head_kernel(
         S: tl.constexpr, K: tl.constexpr, BL: tl.constexpr,
         WIDTH: tl.constexpr, HEADS: tl.constexpr, LAYERS: tl.constexpr,
         MLP: tl.constexpr, BM: tl.constexpr, MAX_SLOTS: tl.constexpr, RANK_DEN: tl.constexpr,
-        STACKED_HEADS: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+        BK: tl.constexpr, PREC: tl.constexpr):
     n = tl.program_id(0)
     L: tl.constexpr = S * K
     offs_l = tl.arange(0, BL)                      # lattice row = slot * K + rank
@@ -293,10 +266,7 @@ def _lilicorr_head_kernel(
              + _vec(qkv_b + li * 3 * WIDTH, WIDTH + offs_w)[None, :]).to(OP)
         v = (_mm(xn, qkv, 3 * WIDTH, offs_w, 2 * WIDTH + offs_w, PREC)
              + _vec(qkv_b + li * 3 * WIDTH, 2 * WIDTH + offs_w)[None, :]).to(OP)
-        if STACKED_HEADS:
-            attn = _attention_stacked(q, k, v, rel_bias, same_bias, K, L, BL, WIDTH, HEADS, MAX_SLOTS, PREC)
-        else:
-            attn = _attention_per_head(q, k, v, rel_bias, same_bias, K, L, BL, WIDTH, HEADS, MAX_SLOTS, PREC)
+        attn = _attention_per_head(q, k, v, rel_bias, same_bias, K, L, BL, WIDTH, HEADS, MAX_SLOTS, PREC)
         x += _mm(attn, o_w + li * WIDTH * WIDTH, WIDTH, offs_w, offs_w, PREC) + _vec(o_b + li * WIDTH, offs_w)[None, :]
         xn = _layer_norm(x, ln2_w + li * WIDTH, ln2_b + li * WIDTH, offs_w, WIDTH, eps)
         y = tl.zeros([BL, WIDTH], dtype=tl.float32)
@@ -404,13 +374,12 @@ class FusedLiLiCorrHead:
     At construction the weights are transposed to [in, out] and packed into one buffer, and
     token_proj is applied to the whole (frozen) embedding table: a candidate's token
     projection is then a row gather, the module's own bf16 row. Rebuild after the head's
-    weights change. num_warps, mlp_block (the MLP's hidden columns per product; default all
-    of them up to 256) and stacked_heads (`_attention_stacked`, else `_attention_per_head`)
-    change the speed, not the result.
+    weights change. num_warps and mlp_block (the MLP's hidden columns per product; default
+    all of them up to 256) change the speed, not the result.
     """
 
     def __init__(self, head: nn.Module, slots: int, top_k: int, embed_weight: torch.Tensor,
-                 num_warps: int = 8, mlp_block: int | None = None, stacked_heads: bool = False):
+                 num_warps: int = 8, mlp_block: int | None = None):
         why = unsupported(head, slots, top_k)
         if why:
             raise ValueError(f"the fused LiLiCorr head cannot run this lattice: {why}")
@@ -419,7 +388,7 @@ class FusedLiLiCorrHead:
         self.mlp_block = mlp_block or min(c.mlp_hidden & -c.mlp_hidden, 256)   # largest pow2 divisor
         if not (_pow2(self.mlp_block) and c.mlp_hidden % self.mlp_block == 0):
             raise ValueError(f"mlp_block {self.mlp_block}: needs a power of two >= 16 dividing {c.mlp_hidden}")
-        self.num_warps, self.stacked_heads = num_warps, stacked_heads
+        self.num_warps = num_warps
         self.rows = max(16, triton.next_power_of_2(slots * top_k))    # lattice rows, padded
         self.compiled: dict = {}
         self.dtype = head.token_proj.weight.dtype
@@ -512,7 +481,7 @@ class FusedLiLiCorrHead:
             self.eps, self.feat_eps, float(c.scale),
             S=S, K=k, BL=self.rows, WIDTH=c.width, HEADS=c.heads, LAYERS=self.layers, MLP=c.mlp_hidden,
             BM=self.mlp_block, MAX_SLOTS=c.max_slots, RANK_DEN=max(k - 1, 1),
-            STACKED_HEADS=self.stacked_heads, BK=triton.next_power_of_2(k), PREC=self.precision,
+            BK=triton.next_power_of_2(k), PREC=self.precision,
             num_warps=self.num_warps)
         return start, pair, ranks, tokens
 

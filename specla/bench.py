@@ -719,7 +719,7 @@ HEAD_SHARES = [  # (result key, LiLiCorr row label), each against the block row 
 
 # launch options of the fused head timed beside its defaults (per-head attention, num_warps 8,
 # the widest MLP block)
-HEAD_KERNEL_VARIANTS = ({"num_warps": 4}, {"stacked_heads": True, "num_warps": 4})
+HEAD_KERNEL_VARIANTS = ({"num_warps": 4},)
 
 
 def head_alone_cost(rt, drafter, settings, prompt: list[int], inner: int = 20, repeats: int = 30,

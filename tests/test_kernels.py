@@ -357,7 +357,7 @@ def test_lattice_topk_matches_candidates(N, S, V, k):
 @needs_cuda
 @pytest.mark.parametrize("dtype,shape,options", [
     (torch.bfloat16, "embedded", {}), (torch.bfloat16, "embedded", {"mlp_block": 128, "num_warps": 4}),
-    (torch.bfloat16, "embedded", {"stacked_heads": True}), (torch.bfloat16, "odd", {"stacked_heads": True}),
+    (torch.bfloat16, "odd", {"num_warps": 4}),
     (torch.float32, "odd", {}), (torch.bfloat16, "deep", {}), (torch.bfloat16, "wide", {})], ids=str)
 def test_lilicorr_head_matches_module(shape, dtype, options):
     assert not check_lilicorr_head(shape, dtype, "cuda", seed=len(shape), **options)
@@ -513,9 +513,6 @@ def interpreter_cases(group: str):
                        lambda shape=shape, dt=dtype: check_lilicorr_head(shape, dt, dev, seed=len(shape)))
         yield ("lilicorr-deep-mlp_block16", lambda: check_lilicorr_head("deep", torch.float32, dev, seed=4,
                                                                         mlp_block=16))
-        for shape in ("embedded", "deep"):
-            yield (f"lilicorr-{shape}-stacked-attention",
-                   lambda shape=shape: check_lilicorr_head(shape, torch.bfloat16, dev, seed=5, stacked_heads=True))
         for shape in ("odd", "wide"):
             yield f"lilicorr-draft-{shape}", lambda shape=shape: check_lilicorr_draft(shape, dev, seed=6)
         return
