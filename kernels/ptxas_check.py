@@ -119,14 +119,22 @@ def sass_instructions(cubin: bytes) -> int:
     return sum(1 for line in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]+\*/\s+\S.*;", line))
 
 
-def head_launches(fields: dict, top_k: int, vocab: int = 32000, **options) -> list:
-    """The two launches of `draft` for a bf16 head of `fields` over a SLOTS x top_k lattice."""
+def head_launches(fields: dict, top_k: int, slots: int = SLOTS, vocab: int = 32000, **options) -> list:
+    """The two launches of `draft` for a bf16 head of `fields` over a slots x top_k lattice."""
     head = LiLiCorrHead(HeadConfig(**fields)).to(torch.bfloat16)
-    fused = fused_head.FusedLiLiCorrHead(head, SLOTS, top_k, torch.zeros(vocab, fields["target_hidden"]), **options)
-    logits = torch.zeros(1, SLOTS, vocab)
-    hidden, anchor = torch.zeros(1, SLOTS, fields["drafter_width"]), torch.zeros(1, fields["drafter_width"])
+    fused = fused_head.FusedLiLiCorrHead(head, slots, top_k, torch.zeros(vocab, fields["target_hidden"]), **options)
+    logits = torch.zeros(1, slots, vocab)
+    hidden, anchor = torch.zeros(1, slots, fields["drafter_width"]), torch.zeros(1, fields["drafter_width"])
     return recorded_launches(lambda: fused.draft(logits, hidden, anchor),
                              ["_head_prologue_kernel", "_lilicorr_head_kernel"])
+
+
+def launch_report(launch: tuple) -> dict:
+    """One recorded launch -> its name, sm_90 instructions, registers and spill bytes."""
+    kernel, call_args, kwargs = launch
+    compiled = compile_sm90(kernel, call_args, kwargs)
+    return {"launch": kernel.__name__, "instructions": sass_instructions(compiled.asm["cubin"]),
+            **ptxas_usage(compiled.asm["ptx"])}
 
 
 def main(argv=None) -> int:
@@ -142,11 +150,10 @@ def main(argv=None) -> int:
     for shape in args.shape:
         for top_k in args.top_k:
             launches = head_launches(SHAPES[shape], top_k, num_warps=args.num_warps)
-            for kernel, call_args, kwargs in launches:
-                compiled = compile_sm90(kernel, call_args, kwargs)
-                use = ptxas_usage(compiled.asm["ptx"])
-                print(f"| {shape} | {top_k} | {kernel.__name__} | {sass_instructions(compiled.asm['cubin'])} | "
-                      f"{use['registers']} | {use['spill_stores']} | {use['spill_loads']} |", flush=True)
+            for launch in launches:
+                r = launch_report(launch)
+                print(f"| {shape} | {top_k} | {r['launch']} | {r['instructions']} | {r['registers']} | "
+                      f"{r['spill_stores']} | {r['spill_loads']} |", flush=True)
     return 0
 
 

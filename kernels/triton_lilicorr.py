@@ -15,9 +15,9 @@ is ~100 launches, 0.17-0.25 ms inside a CUDA graph on an H200.
 
 H200 timings, 7 x 4 lattice, 2048-wide inputs (kernels/bench_lilicorr.py and
 `python -m specla bench --suite head`, benchmarks/results/h200/session6/):
-- `draft` (top-k included) takes 0.068 ms with the weights in L2 and 0.081 ms with L2 flushed
-  (session 5's three launches: 0.082 and 0.132 ms).
-- Inside a GDN-1.3B-shape decoding step the head costs 2.2% of the step (session 5: 4.0%).
+- `draft` (top-k included) takes 0.068 ms with the weights in L2 and 0.080 ms with L2 flushed
+  (session 5's three launches, same process: 0.082 and 0.135 ms).
+- Inside a GDN-1.3B-shape decoding step the head costs 2.3% of the step (session 5: 4.0%).
 
 What costs inside a decoding step is what the target's weights evicted: the head's weights
 and the head program's own instructions, each fetched once from HBM by one SM. Hence the

@@ -363,6 +363,20 @@ def test_lilicorr_head_matches_module(shape, dtype, options):
     assert not check_lilicorr_head(shape, dtype, "cuda", seed=len(shape), **options)
 
 
+def test_ptxas_check_reports_the_head_launches():
+    """The sm_90 register / spill check compiles both launches of a small head on the CPU."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the check compiles; the interpreter does not")
+    from kernels import ptxas_check
+    fields, S, k, vocab = HEAD_SHAPES["odd"]
+    reports = [ptxas_check.launch_report(launch)
+               for launch in ptxas_check.head_launches(fields, k, slots=S, vocab=vocab)]
+    assert [r["launch"] for r in reports] == ["_head_prologue_kernel", "_lilicorr_head_kernel"]
+    for r in reports:
+        assert r["instructions"] > 100 and 0 < r["registers"] <= 255 and r["spill_stores"] >= 0
+
+
 @needs_cuda
 @pytest.mark.parametrize("shape", ["embedded", "wide"])
 def test_lilicorr_draft_matches_topk_then_head(shape):
