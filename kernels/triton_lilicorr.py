@@ -11,25 +11,20 @@ The reference is `specla.drafters.lilicorr.LiLiCorrHead.forward` + `greedy_walk`
 the trained module itself.
 
 Why kernels: the head is tiny (a 7 x 4 or 7 x 8 lattice, width 128, 2 layers). As torch ops it
-is ~100 launches, 0.17-0.25 ms inside a CUDA graph on an H200.
+is about 100 launches inside a CUDA graph; here it is two.
 
-H200 timings, 7 x 4 lattice, 2048-wide inputs (kernels/bench_lilicorr.py and
-`python -m specla bench --suite head`, benchmarks/results/h200/session6/):
-- `draft` (top-k included) takes 0.068 ms with the weights in L2 and 0.080 ms with L2 flushed
-  (session 5's three launches, same process: 0.082 and 0.135 ms).
-- Inside a GDN-1.3B-shape decoding step the head costs 2.3% of the step (session 5: 4.0%).
-
-What costs inside a decoding step is what the target's weights evicted: the head's weights
-and the head program's own instructions, each fetched once from HBM by one SM. Hence the
-L2 read in the prologue, and runtime loops (layers, heads, walk slots) instead of unrolled
-ones: half the instructions. The head program also holds [BL, w] fp32 tiles next to bf16
-weight tiles at up to 255 registers a thread; `kernels/ptxas_check.py` counts the
-instructions, registers and spills for sm_90 without a GPU, and H200 times tracked them:
-- attention head by head, with the other heads' columns zeroed (all heads stacked in one
-  product was no faster in session 5, and with a runtime layer loop it needs 866 KB of
-  shared memory);
-- q, k and v kept in the operand dtype;
-- the pair scores slot by slot from a scratch copy of the factors, not one [BL, BL] product.
+What costs inside a decoding step is what the target's weights evict from L2: the head's
+weights and the head program's own instructions, each fetched once from HBM by one SM. Hence
+the L2 read in the prologue, and runtime loops (layers, heads, walk slots) instead of unrolled
+ones, which halve the instructions. The head program holds [BL, w] fp32 tiles next to bf16
+weight tiles at up to 255 registers a thread (`benchmarks/ptxas_check.py` counts instructions,
+registers and spills for sm_90 without a GPU); to keep it from spilling:
+- attention runs head by head, with the other heads' columns zeroed;
+- q, k and v are kept in the operand dtype;
+- the pair scores are computed slot by slot from a scratch copy of the factors, not as one
+  [BL, BL] product.
+Measured timings live in benchmarks/results/ (`python -m specla bench --suite head`,
+`benchmarks/bench_lilicorr.py`).
 
 Arithmetic:
 - Activations and accumulators are fp32. Matmul operands are rounded to the weight dtype.
@@ -255,8 +250,8 @@ def _lilicorr_head_kernel(
 
     # -- the lattice transformer: relative-slot + same-slot biases, padded columns masked
     # runtime loops here, over heads and over the walk's slots, not unrolled ones: each
-    # instruction runs once and is fetched cold inside a decoding step, and at 7 x 4 the loops
-    # halve the code (11.7K -> 6.3K instructions) and remove the spills (kernels/ptxas_check.py)
+    # instruction runs once and is fetched cold inside a decoding step, so fewer instructions
+    # and no spills pay more than unrolling (benchmarks/ptxas_check.py counts both)
     for li in tl.range(0, LAYERS):
         xn = _layer_norm(x, ln1_w + li * WIDTH, ln1_b + li * WIDTH, offs_w, WIDTH, eps)
         qkv = qkv_w + li * WIDTH * 3 * WIDTH

@@ -290,7 +290,7 @@ def hybrid_schedule(topo, device, every_node: bool = False) -> HybridSchedule:
     if device.type == "cuda" and device.index is None:   # "cuda" and "cuda:0": one entry
         device = torch.device("cuda", torch.cuda.current_device())
     # The parents are part of the entry, so a topology whose tree is swapped in place (as
-    # specla.cuda_graphs' SpecTopology.load does) gets a fresh schedule, never a stale one.
+    # a graph's SpecTopology.load does) gets a fresh schedule, never a stale one.
     # A graph captured in hybrid mode stays bound to the schedule it was captured with.
     key = ("triton_hybrid", str(device), every_node)
     parents = tuple(topo.tree.parents)
@@ -588,7 +588,7 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
 
 
 # ---------------------------------------------------------------------------------------
-# Baselines, for kernels/bench_kernels.py: what verification costs without factors
+# Baselines, for benchmarks/bench_kernels.py: what verification costs without factors
 # ---------------------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["node", "N"])

@@ -19,6 +19,7 @@ One layer, per head (fla's conventions):
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.nn as nn
@@ -340,3 +341,33 @@ def flush(state: InferenceState) -> None:
         pending, state.pending = state.pending, None
         for layer_idx in range(state.recurrent.shape[0]):
             fold_pending(state, pending, layer_idx)
+
+
+def init_like_fla(model: GDNForCausalLM, seed: int = 0) -> GDNForCausalLM:
+    """Random weights drawn the way fla initialises a fresh GatedDeltaNet (std 0.02 linears,
+    A in U(0, 16), dt in [1e-3, 0.1]), so decays and logits have realistic scales."""
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.rand(p.shape, generator=gen, device=p.device).mul(16).clamp_min(1e-4).log())
+            elif name.endswith("dt_bias"):
+                u = torch.rand(p.shape, generator=gen, device=p.device)
+                dt = torch.exp(u * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
+                p.copy_(dt + torch.log(-torch.expm1(-dt)))       # inverse softplus
+            elif "norm" in name:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    return model
+
+
+def random_gdn(config: GDNConfig, device: str | torch.device = "cpu",
+                  dtype: torch.dtype = torch.float32, seed: int = 0) -> GDNForCausalLM:
+    """A random-weight target built directly on `device` (a 1.3B model inits in a second on GPU)."""
+    with torch.device(device):
+        model = GDNForCausalLM(config)
+    init_like_fla(model, seed)
+    return model.to(dtype).eval()

@@ -68,7 +68,7 @@ def _tree_masks(topo) -> reference.TreeMasks:
     """The parallel form's masks, built once per topology rather than once per layer.
 
     The parents are part of the entry, so a topology whose tree is swapped in place (as
-    specla.cuda_graphs' SpecTopology.load does) never gets stale masks.
+    specla.graphs.spec.SpecTopology.load does) never gets stale masks.
     """
     parents = tuple(topo.tree.parents)
     entry = topo.cache.get("ref_tree_masks")

@@ -14,6 +14,8 @@ import math
 import pytest
 
 from specla import bench
+from specla.graphs.ar import GraphedAR
+from specla.graphs.runtime import PackedTarget
 
 TOKENS, PROMPTS = 24, 2
 
@@ -141,14 +143,13 @@ def test_device_graphed_rows_and_head_share():
     the step difference over the LiLiCorr step, and the report renders the rows."""
     import torch
 
-    from specla import cuda_graphs as cg
     from specla.drafters import new_drafter
     from tests.helpers import random_target
 
     target = random_target()
-    rt = cg.Runtime(target)
+    rt = PackedTarget(target)
     n, prompts = 16, [bench.random_prompt(128, 10, s) for s in range(2)]
-    ref = bench.PairReference(rt, cg.GraphedAR(rt, max_len=n + 16), prompts, n)
+    ref = bench.PairReference(rt, GraphedAR(rt, max_len=n + 16), prompts, n)
     rows = []
     for kind in ("lilicorr", "block"):
         torch.manual_seed(1)

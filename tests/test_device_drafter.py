@@ -14,12 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from specla import cuda_graphs as cg
 from specla.decode import DecodeSettings, ar_generate
-from specla.device_drafter import DeviceChainDrafter, DeviceDraftDecoder
+from specla.graphs.drafters import DeviceChainDrafter, DeviceDraftDecoder
 from specla.drafters import new_drafter
 from specla.drafters.base import Accepted, DraftContext, DraftSettings
 from tests.helpers import random_target
+from specla.bench.measure import spec_vs_ar_noise
+from specla.graphs.ar import GraphedAR
+from specla.graphs.runtime import PackedTarget
+from specla.graphs.spec import GraphedSpec, SpecState
+from specla.model import random_gdn
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: graphs are captured only there")
@@ -89,7 +93,7 @@ def test_masked_right_aligned_window_equals_the_host_context(kind, rows):
     """n rows of context: the host holds n rows at positions W-n..W-1; the device holds W rows,
     the first W-n masked. Same slot logits (and a wrongly aligned window would not be)."""
     target, drafter = pair(kind)
-    rt = cg.Runtime(target)
+    rt = PackedTarget(target)
     prompt = prompt_of(rows + 1)
     _, feats, hidden = rt.prefill(prompt, LAYERS)
     drafter.reset(prompt, feats, hidden)
@@ -141,16 +145,16 @@ def test_device_chains_equal_host_proposals_step_by_step(kind, device):
     from the accepted path) equals the host drafter's `propose`, and its window equals the
     host's context, after the host `observe`d the same accepted rows."""
     target, host = pair(kind, device)
-    rt = cg.Runtime(target)
+    rt = PackedTarget(target)
     settings = chain_settings()
     dev = DeviceChainDrafter.from_settings(host, settings)
     S = dev.length
-    state = cg.SpecState(rt, max_path=S + 1, capacity=256)
-    spec = cg.GraphedSpec(rt, state, dev.tree(), feature_layers=LAYERS, drafter=dev,
+    state = SpecState(rt, max_path=S + 1, capacity=256)
+    spec = GraphedSpec(rt, state, dev.tree(), feature_layers=LAYERS, drafter=dev,
                           use_graph=device == "cuda")
     prompt = prompt_of(4)                          # 3 context rows: the window starts part-filled
     state0, feats, hidden = rt.prefill(prompt, LAYERS)
-    ar = cg.GraphedAR(rt, max_len=200, use_graph=False)    # the truth from the same state and ops
+    ar = GraphedAR(rt, max_len=200, use_graph=False)    # the truth from the same state and ops
     ar.reset(state0, prompt[-1])
     truth = ar.decode(200)
     state.reset(state0, prompt[-1])
@@ -194,7 +198,7 @@ def test_device_chains_equal_host_proposals_step_by_step(kind, device):
 @pytest.mark.parametrize("kind", KINDS)
 def test_device_draft_decoder_equals_ar_greedy(kind):
     target, drafter = pair(kind, vocab=16, seed=2)   # a small vocabulary: some drafts accepted
-    rt = cg.Runtime(target)
+    rt = PackedTarget(target)
     n = 48
     dec = DeviceDraftDecoder(rt, drafter, chain_settings(), capacity=n + BLOCK + 8, use_graph=False)
     accepted_any = False
@@ -218,7 +222,7 @@ def test_compiled_block_draft_equals_the_uncompiled_one_on_cpu():
     on the CPU (inductor's C++ backend) the decode equals AR and drafts exactly the chains the
     uncompiled drafter drafts, so the accept lengths agree step for step."""
     target, drafter = pair("block", vocab=16, seed=2)
-    rt = cg.Runtime(target)
+    rt = PackedTarget(target)
     n = 32
     prompt = prompt_of(11, vocab=16, seed=1)
     ref = ar_generate(target, prompt, DecodeSettings(max_new_tokens=n)).tokens
@@ -236,7 +240,7 @@ def test_divergence_is_located_and_measured():
     """Against a reference that differs at one position, the run reports that position, the
     target's token and its positive logit gap over the reference token."""
     target, drafter = pair("block")
-    rt = cg.Runtime(target)
+    rt = PackedTarget(target)
     n, prompt = 24, prompt_of(8)
     ref = ar_generate(target, prompt, DecodeSettings(max_new_tokens=n)).tokens
     bad = list(ref)
@@ -250,7 +254,7 @@ def test_divergence_is_located_and_measured():
 
 def test_phase_split_covers_the_three_phases():
     target, drafter = pair("lilicorr")
-    rt = cg.Runtime(target)
+    rt = PackedTarget(target)
     dec = DeviceDraftDecoder(rt, drafter, chain_settings(), capacity=40, use_graph=False)
     prompt = prompt_of(8)
     pre = rt.prefill(prompt, LAYERS)
@@ -299,14 +303,14 @@ def _small_cuda_pair(kind: str):
     runtime, a GraphedAR, chain settings and a prompt."""
     from tests.test_gpu_runtime import SMALL
 
-    target = cg.random_target(SMALL, "cuda", torch.float32, seed=0)
+    target = random_gdn(SMALL, "cuda", torch.float32, seed=0)
     torch.manual_seed(1)
     kw = dict(width=64, heads=2, mlp_hidden=128, window=16)
     if kind == "lilicorr":
         kw["head"] = dict(width=32, heads=2, mlp_hidden=64)
     drafter = new_drafter(kind, target, feature_layers=(0, 2), block_size=8, top_k=4, **kw)
-    rt = cg.Runtime(target)
-    ar = cg.GraphedAR(rt, max_len=128)
+    rt = PackedTarget(target)
+    ar = GraphedAR(rt, max_len=128)
     settings = DraftSettings(tree="chain", block_size=8, top_k=4, budget=7)
     return drafter, rt, ar, settings, prompt_of(40, SMALL.vocab_size)
 
@@ -349,8 +353,8 @@ def test_trained_pair_bf16_graphed(kind):
     accepted (tau well above 1)."""
     target, drafters, prompts = _embedded_pair()
     drafter = drafters[kind]
-    rt = cg.Runtime(target)
-    ar = cg.GraphedAR(rt, max_len=256)
+    rt = PackedTarget(target)
+    ar = GraphedAR(rt, max_len=256)
     block = drafter.net.config.block_size
     settings = DraftSettings(tree="chain", block_size=block, top_k=4, budget=block - 1)
     n, tokens, steps = 96, 0, 0
@@ -358,7 +362,7 @@ def test_trained_pair_bf16_graphed(kind):
         state0 = rt.prefill(prompt)[0]
         ar.reset(state0, prompt[-1])
         want = ar.decode(n + 16)
-        noise = cg.spec_vs_ar_noise(rt, ar, state0, prompt[-1], want)
+        noise = spec_vs_ar_noise(rt, ar, state0, prompt[-1], want)
         graphed, _ = graphed_and_eager(rt, drafter, settings, prompt, n, want, noise)
         tokens, steps = tokens + len(graphed.tokens), steps + graphed.steps
     assert tokens / steps > 1.4, f"tau {tokens / steps:.2f}: the trained {kind} drafter barely drafts"

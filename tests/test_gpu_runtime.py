@@ -19,12 +19,20 @@ import random
 import pytest
 import torch
 
-from specla import cuda_graphs as cg
 from specla.accept import accept_greedy
 from specla.config import PUBLIC_1P3B, GDNConfig
 from specla.decode import DecodeSettings, ar_generate
 from specla.drafters.base import Draft, DraftSettings
 from specla.tree import DraftTree
+from specla.bench.measure import FlaAR, build_fla_model, oracle_calibrate, oracle_timed, spec_vs_ar_noise
+from specla.graphs.ar import GraphedAR
+from specla.graphs.buckets import comb_tree, max_path_for
+from specla.graphs.decoders import GraphedDecoder
+from specla.graphs.ops import FlaOps, check_ops
+from specla.graphs.oracle import DeviceOracle
+from specla.graphs.runtime import PackedTarget
+from specla.graphs.spec import GraphedSpec, SpecState, SpecTopology, greedy_accept, torch_tree_verify
+from specla.model import random_gdn
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: graphs are captured only there")
@@ -33,15 +41,15 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[needs_cuda, pytest.mark.gpu])]
 # K = V = 64: powers of two, as the Triton verify kernels require.
 SMALL = GDNConfig(vocab_size=512, hidden_size=128, num_hidden_layers=3, num_heads=2, head_dim=64,
                   expand_v=1.0)
-SHAPES = {"chain": DraftTree.chain([0] * 7), "tree": cg.comb_tree(3, 9)}
+SHAPES = {"chain": DraftTree.chain([0] * 7), "tree": comb_tree(3, 9)}
 
 
 def setup(device, dtype, config=SMALL, prompt_len=40, seed=0):
-    target = cg.random_target(config, device, dtype, seed=seed)
-    rt = cg.Runtime(target)
+    target = random_gdn(config, device, dtype, seed=seed)
+    rt = PackedTarget(target)
     rng = random.Random(seed)
     prompt = [rng.randrange(config.vocab_size) for _ in range(prompt_len)]
-    ar = cg.GraphedAR(rt, max_len=320)
+    ar = GraphedAR(rt, max_len=320)
     ar.prefill(prompt)
     return target, rt, ar, ar.state.clone(), prompt
 
@@ -53,10 +61,10 @@ def ar_tokens(ar, snap, root, n):
 
 def oracle_spec(rt, tree, cont, alpha, deferred=True, n=48):
     P = tree.depth + 1
-    state = cg.SpecState(rt, max_path=P, capacity=n + 2 * P + 8)
-    oracle = cg.DeviceOracle(cont, rt.config.vocab_size, alpha, max_steps=n + 2 * P + 9,
+    state = SpecState(rt, max_path=P, capacity=n + 2 * P + 8)
+    oracle = DeviceOracle(cont, rt.config.vocab_size, alpha, max_steps=n + 2 * P + 9,
                              max_nodes=len(tree), capacity=n + 4 * P + 16, device=rt.device, seed=3)
-    return cg.GraphedSpec(rt, state, tree, deferred=deferred, oracle=oracle)
+    return GraphedSpec(rt, state, tree, deferred=deferred, oracle=oracle)
 
 
 def first_mismatch(a, b):
@@ -92,12 +100,12 @@ def test_graphed_spec_equals_ar_fp32(device, shape, deferred):
     root, n, tree = prompt[-1], 48, SHAPES[shape]
     cont = ar_tokens(ar, snap, root, n + 4 * (tree.depth + 1))
     spec = oracle_spec(rt, tree, cont, alpha=0.7, deferred=deferred, n=n)
-    run = cg.oracle_calibrate(spec, ar, snap, root, n)
+    run = oracle_calibrate(spec, ar, snap, root, n)
     assert not run.divergences, f"fp32: the target left AR's tokens: {run.divergences}"
     assert run.tokens[:n] == cont[:n]
     assert run.steps < n, "the oracle at alpha 0.7 should accept something"
     # graph replays are deterministic: the timed run reproduces the trajectory
-    timed = cg.oracle_timed(spec, snap, root, n, run.steps)
+    timed = oracle_timed(spec, snap, root, n, run.steps)
     assert timed.tokens == run.tokens and timed.steps == run.steps
     # the state after decoding equals a token-by-token replay of the same tokens
     spec.state.flush()
@@ -118,8 +126,8 @@ def test_oracle_realignment_keeps_the_trajectory(device):
     runs = {}
     for name, cont in (("clean", clean), ("corrupt", corrupt)):
         spec = oracle_spec(rt, tree, cont, alpha=0.9, n=n)
-        runs[name] = cg.oracle_calibrate(spec, ar, snap, root, n)
-        assert cg.oracle_timed(spec, snap, root, n, runs[name].steps).tokens == runs[name].tokens
+        runs[name] = oracle_calibrate(spec, ar, snap, root, n)
+        assert oracle_timed(spec, snap, root, n, runs[name].steps).tokens == runs[name].tokens
     assert [d["position"] for d in runs["corrupt"].divergences] == [9]
     assert runs["corrupt"].tokens == runs["clean"].tokens and runs["clean"].tokens[:n] == clean[:n]
     assert runs["corrupt"].accepted == runs["clean"].accepted
@@ -132,14 +140,14 @@ def test_graphed_spec_bf16_diverges_only_at_near_ties(shape):
     _, rt, ar, snap, prompt = setup("cuda", torch.bfloat16)
     root, n, tree = prompt[-1], 64, SHAPES[shape]
     cont = ar_tokens(ar, snap, root, n + 4 * (tree.depth + 1))
-    noise = cg.spec_vs_ar_noise(rt, ar, snap, root, cont)
+    noise = spec_vs_ar_noise(rt, ar, snap, root, cont)
     spec = oracle_spec(rt, tree, cont, alpha=0.8, n=n)
-    run = cg.oracle_calibrate(spec, ar, snap, root, n)
+    run = oracle_calibrate(spec, ar, snap, root, n)
     for d in run.divergences:   # 2x bounds a flip if `noise` bounded every position; 3x: margin
         assert d["gap"] <= 3 * noise + 1e-6, f"divergence beyond bf16 noise {noise:.4f}: {d}"
     if not run.divergences:
         assert run.tokens[:n] == cont[:n]
-    timed = cg.oracle_timed(spec, snap, root, n, run.steps)
+    timed = oracle_timed(spec, snap, root, n, run.steps)
     assert timed.tokens == run.tokens
 
 
@@ -159,8 +167,8 @@ def test_greedy_accept_matches_accept_greedy(device):
             if kids and rng.random() < 0.8:
                 logits[i, tokens[rng.choice(kids)]] += 10
         want = accept_greedy(tree, logits)
-        topo = cg.SpecTopology(tree, 4, tree.depth + 1, device)
-        a, end, path, valid, bonus = cg.greedy_accept(topo, torch.tensor(tokens, device=device),
+        topo = SpecTopology(tree, 4, tree.depth + 1, device)
+        a, end, path, valid, bonus = greedy_accept(topo, torch.tensor(tokens, device=device),
                                                       logits.to(device))
         assert path[:int(a) + 1].tolist() == want.path, (parents, tokens)
         assert int(bonus) == want.bonus and int(valid.sum()) == len(want.path)
@@ -203,7 +211,7 @@ def test_host_drafter_with_padded_buckets_equals_ar(device):
     root, n = prompt[-1], 60
     cont = ar_tokens(ar, snap, root, n + 32)
     drafter = ScriptedDrafter(cont, SMALL.vocab_size)
-    dec = cg.GraphedDecoder(rt, drafter, DraftSettings(), max_path=cg.max_path_for(12), capacity=n + 32)
+    dec = GraphedDecoder(rt, drafter, DraftSettings(), max_path=max_path_for(12), capacity=n + 32)
     run = dec.generate(prompt, n, reference=cont, prefilled=(snap, None, None))
     assert run.divergence is None, run.divergence
     assert run.tokens[:n] == cont[:n] and -1 not in run.tokens
@@ -224,9 +232,9 @@ def test_torch_tree_verify_matches_reference():
     S0 = torch.randn(B, H, K, V, generator=g)
     pk = torch.nn.functional.normalize(torch.randn(B, P, H, K, generator=g), dim=-1)
     pd, pg = torch.randn(B, P, H, V, generator=g), -torch.rand(B, P, H, generator=g)
-    topo = cg.SpecTopology(tree, 4, tree.depth + 1, "cpu")
+    topo = SpecTopology(tree, 4, tree.depth + 1, "cpu")
     S = S0.clone()
-    o, d = cg.torch_tree_verify(q, k, v, gate, beta, S, topo, (pk, pd, pg))
+    o, d = torch_tree_verify(q, k, v, gate, beta, S, topo, (pk, pd, pg))
     S_ref = commit_ref(S0, pk, pd, pg)
     o_ref, d_ref = tree_verify_ref(q, k, v, gate, beta, S_ref, topo.model_topo.parents)
     assert torch.allclose(S, S_ref, atol=1e-6)
@@ -240,7 +248,7 @@ def test_torch_tree_verify_matches_reference():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("config", [SMALL, PUBLIC_1P3B], ids=["small", "1p3b"])
 def test_fla_ops_match_torch_ops(config, dtype):
-    failures = cg.check_ops(cg.FlaOps(), config, "cuda", dtype)
+    failures = check_ops(FlaOps(), config, "cuda", dtype)
     assert not failures, failures
 
 
@@ -250,7 +258,7 @@ def test_fla_graph_equals_fla_eager_and_ours():
     pytest.importorskip("fla.models", reason="fla's models need fla + triton")
     target, rt, ar, snap, prompt = setup("cuda", torch.float32)
     n = 16
-    fla = cg.FlaAR(cg.build_fla_model(target), max_len=n + 4)
+    fla = FlaAR(build_fla_model(target), max_len=n + 4)
     fla.prefill(prompt)
     eager, _ = fla.eager_generate(n)
     assert fla.capture() in ("model", "layer-ops")
@@ -267,8 +275,8 @@ def test_fla_graph_equals_fla_eager_and_ours():
 @needs_cuda
 @pytest.mark.gpu
 def test_graphed_ar_samples_on_device():
-    target = cg.random_target(SMALL, "cuda", torch.bfloat16, seed=0)
-    ar = cg.GraphedAR(target, max_len=64, temperature=1.0)
+    target = random_gdn(SMALL, "cuda", torch.bfloat16, seed=0)
+    ar = GraphedAR(target, max_len=64, temperature=1.0)
     ar.reset(None, 5)
     tokens = ar.decode(32)
     assert all(0 <= t < SMALL.vocab_size for t in tokens) and len(set(tokens)) > 1
@@ -283,9 +291,9 @@ def test_public_1p3b_shape_short():
     assert rt.ops.name == "fla", rt.ops_note
     root, n, tree = prompt[-1], 24, DraftTree.chain([0] * 9)
     cont = ar_tokens(ar, snap, root, n + 40)
-    noise = cg.spec_vs_ar_noise(rt, ar, snap, root, cont)
+    noise = spec_vs_ar_noise(rt, ar, snap, root, cont)
     spec = oracle_spec(rt, tree, cont, alpha=0.8, n=n)
-    run = cg.oracle_calibrate(spec, ar, snap, root, n)
+    run = oracle_calibrate(spec, ar, snap, root, n)
     for d in run.divergences:
         assert d["gap"] <= 3 * noise + 1e-6, f"divergence beyond bf16 noise {noise:.4f}: {d}"
-    assert cg.oracle_timed(spec, snap, root, n, run.steps).tokens == run.tokens
+    assert oracle_timed(spec, snap, root, n, run.steps).tokens == run.tokens

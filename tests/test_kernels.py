@@ -29,7 +29,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from kernels import reference  # noqa: E402
-from kernels.bench_kernels import chain, deep_narrow, random_tree, wide_shallow  # noqa: E402
+from benchmarks.bench_kernels import chain, deep_narrow, random_tree, wide_shallow  # noqa: E402
 
 RTOL = 1e-4  # ||out - ref|| / ||ref|| for fp32 (the kernels land near 1e-7)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -368,7 +368,7 @@ def test_ptxas_check_reports_the_head_launches():
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("the check compiles; the interpreter does not")
-    from kernels import ptxas_check
+    from benchmarks import ptxas_check
     fields, S, k, vocab = HEAD_SHAPES["odd"]
     reports = [ptxas_check.launch_report(launch)
                for launch in ptxas_check.head_launches(fields, k, slots=S, vocab=vocab)]
@@ -550,7 +550,7 @@ def interpreter_cases(group: str):
 
 def check_tree_swap(mode: str, device, H: int = 2, K: int = 16, V: int = 16) -> list[str]:
     """One Topology object, its tree replaced in place between calls (as
-    specla.cuda_graphs.SpecTopology.load does): the second call must see the new tree."""
+    specla.graphs.spec.SpecTopology.load does): the second call must see the new tree."""
     from kernels import triton_verify
     first, second = deep_narrow(9), wide_shallow(9, width=3)
     topo = make_topo(first, device)

@@ -33,7 +33,9 @@ import time
 
 import torch
 
-from specla import cuda_graphs as cg
+from specla.graphs.decoders import DraftRun
+from specla.graphs.runtime import PackedTarget, capture, sync
+from specla.graphs.spec import GraphedSpec, SpecState, phase_times
 from specla.drafters.base import DraftSettings
 from specla.drafters.block import BlockDrafter
 from specla.drafters.lilicorr import LiLiCorrDrafter, greedy_walk, lattice
@@ -129,7 +131,7 @@ class DeviceChainDrafter:
 
     # -- context ----------------------------------------------------------------------------
     @torch.no_grad()
-    def reset(self, features: torch.Tensor | None, spec: cg.GraphedSpec | None = None) -> None:
+    def reset(self, features: torch.Tensor | None, spec: GraphedSpec | None = None) -> None:
         """Fill the window from the prompt's target features [T, n_layers, D] (what
         `Runtime.prefill` returns; None or empty for a one-token prompt). With `spec`, also
         draft the first chain into its token buffer (eagerly)."""
@@ -150,7 +152,7 @@ class DeviceChainDrafter:
             self.propose(spec)
 
     @torch.no_grad()
-    def observe(self, spec: cg.GraphedSpec) -> None:
+    def observe(self, spec: GraphedSpec) -> None:
         """Append the rows of the path `spec` just accepted (root included, a+1 rows) to the
         window, with static shapes: all P path rows are fused, the index picks the right ones."""
         self._observe_rows(spec.result, spec.features)
@@ -194,11 +196,11 @@ class DeviceChainDrafter:
             tokens = cand.gather(-1, ranks[..., None])[0, :, 0]
         return tokens[:self.length]
 
-    def propose(self, spec: cg.GraphedSpec) -> None:
+    def propose(self, spec: GraphedSpec) -> None:
         """Draft the next chain after the spec's root into `spec.tokens[0, 1:]`."""
         spec.tokens[0, 1:1 + self.length].copy_(self._chain(spec.state.root))
 
-    def draft(self, spec: cg.GraphedSpec) -> None:
+    def draft(self, spec: GraphedSpec) -> None:
         """`GraphedSpec`'s draft phase, right after `accept`: learn the accepted path, draft."""
         self.observe(spec)
         self.propose(spec)
@@ -207,18 +209,18 @@ class DeviceChainDrafter:
 class DeviceDraftDecoder:
     """Greedy speculative decoding with a `DeviceChainDrafter`: one graph per step (draft +
     verify + accept), the first draft a graph of its own; `generate` mirrors
-    `cuda_graphs.GraphedDecoder.generate`."""
+    `GraphedDecoder.generate`."""
 
-    def __init__(self, rt: cg.Runtime, drafter: BlockDrafter, settings: DraftSettings, capacity: int,
+    def __init__(self, rt: PackedTarget, drafter: BlockDrafter, settings: DraftSettings, capacity: int,
                  deferred: bool = True, use_graph: bool | None = None, recurrence: str = "kernels",
                  split_graphs: bool = False, compile: bool = False, fused_head: bool | None = None):
         self.rt, self.settings = rt, settings
         self.drafter = DeviceChainDrafter.from_settings(drafter, settings, compile, fused_head)
         self.feature_layers = self.drafter.feature_layers
         tree = self.drafter.tree()
-        self.state = cg.SpecState(rt, max_path=len(tree), capacity=capacity)
+        self.state = SpecState(rt, max_path=len(tree), capacity=capacity)
         t0 = time.perf_counter()
-        self.spec = cg.GraphedSpec(rt, self.state, tree, mode="auto", deferred=deferred,
+        self.spec = GraphedSpec(rt, self.state, tree, mode="auto", deferred=deferred,
                                    feature_layers=self.feature_layers, use_graph=use_graph,
                                    recurrence=recurrence, split_graphs=split_graphs, drafter=self.drafter)
         self.first_graph = self._capture_first() if self.spec.use_graph else None
@@ -232,7 +234,7 @@ class DeviceDraftDecoder:
         kept = [self.spec.tokens] + self.drafter.buffers()
         with self.state.preserved():
             saved = [t.clone() for t in kept]
-            graph = cg.capture(lambda: self.drafter.propose(self.spec))
+            graph = capture(lambda: self.drafter.propose(self.spec))
             for t, s in zip(kept, saved):
                 t.copy_(s)
         return graph
@@ -255,14 +257,14 @@ class DeviceDraftDecoder:
 
     @torch.no_grad()
     def generate(self, prompt: list[int], n: int, reference: list[int] | None = None,
-                 prefilled=None) -> cg.DraftRun:
+                 prefilled=None) -> DraftRun:
         rt, st, spec = self.rt, self.state, self.spec
         if n > st.capacity:
             raise ValueError(f"{n} tokens exceed this decoder's capacity ({st.capacity})")
         pre = self.start(prompt, prefilled)
         per_step = len(self.drafter.tree())                  # most tokens one step can make
         readbacks = 0
-        cg.sync(rt.device)
+        sync(rt.device)
         t_start = time.perf_counter()
         self.first_draft()
         t1 = time.perf_counter()
@@ -272,7 +274,7 @@ class DeviceDraftDecoder:
                 spec.step()
             pos = int(st.pos.item())                         # the only sync: a few per decode
             readbacks += 1
-        cg.sync(rt.device)
+        sync(rt.device)
         t2 = time.perf_counter()
         ms = 1e3 * (t2 - t_start)
         phases = {"draft": 1e3 * (t1 - t_start), "graph": 1e3 * (t2 - t1)}
@@ -284,7 +286,7 @@ class DeviceDraftDecoder:
         if reference is not None:
             divergence = self._divergence(prompt, pre, tokens, accepted, reference)
         graphs = int(bool(spec.graphs)) + int(self.first_graph is not None)
-        return cg.DraftRun(tokens, steps, accepted, ms, phases, 0.0, graphs, divergence)
+        return DraftRun(tokens, steps, accepted, ms, phases, 0.0, graphs, divergence)
 
     @torch.no_grad()
     def replay_steps(self, prompt: list[int], prefilled, steps: int) -> None:
@@ -318,7 +320,7 @@ class DeviceDraftDecoder:
         between them, or host time eagerly."""
         self.start(prompt, prefilled)
         self.first_draft()
-        return cg.phase_times(self.spec, steps)
+        return phase_times(self.spec, steps)
 
 
 __all__ = ["DeviceChainDrafter", "DeviceDraftDecoder"]

@@ -1,6 +1,6 @@
 """Micro-benchmark of the verify / commit kernels at the GDN-1.3B head shape, on a GPU.
 
-    python kernels/bench_kernels.py --out DIR [--quick] [--layers 48]
+    python benchmarks/bench_kernels.py --out DIR [--quick] [--layers 48]
 
 One layer: B=1, H=8, K=V=256, fp32 state (2 MiB). Every variant is captured in a CUDA
 graph that calls it once per layer over `--layers` distinct layer states (48 x 2 MiB, more

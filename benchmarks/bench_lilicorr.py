@@ -1,6 +1,6 @@
 """Micro-benchmark of the fused LiLiCorr head (kernels/triton_lilicorr.py), on a GPU.
 
-    python kernels/bench_lilicorr.py --out DIR [--baseline OLD_triton_lilicorr.py]
+    python benchmarks/bench_lilicorr.py --out DIR [--baseline OLD_triton_lilicorr.py]
         [--shape embedded gdn-1.3b] [--top-k 4 8] [--options default warps4]
 
 For the embedded drafter's head shape and the same head in front of a GDN-1.3B-sized pair
@@ -34,8 +34,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernels.triton_lilicorr import FusedLiLiCorrHead  # noqa: E402
-from specla import cuda_graphs as cg  # noqa: E402
 from specla.drafters.lilicorr import HeadConfig, LiLiCorrHead, greedy_walk  # noqa: E402
+from specla.graphs.runtime import Stopwatch, capture  # noqa: E402
 
 SHAPES = {  # name: HeadConfig fields (S = 7 slots, k = 8 candidates, as the embedded drafter)
     "embedded": dict(drafter_width=256, target_hidden=384, width=128, heads=4, layers=2, mlp_hidden=256,
@@ -52,10 +52,10 @@ def graph_ms(fn, inner: int = 20, repeats: int = 30, flush: torch.Tensor | None 
     """Median ms of one `fn()` in a graph of `inner` calls; with `flush`, each call follows
     a write of that buffer (evicting L2), and a graph of the writes alone is subtracted."""
     def samples(body) -> list[float]:
-        graph = cg.capture(body)
+        graph = capture(body)
         out = []
         for _ in range(repeats):
-            with cg.Stopwatch(torch.device("cuda")) as sw:
+            with Stopwatch(torch.device("cuda")) as sw:
                 graph.replay()
             out.append(sw.ms / inner)
         return sorted(out)

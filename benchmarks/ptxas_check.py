@@ -1,7 +1,7 @@
 """Instructions, registers and spills of the fused LiLiCorr head's launches for an H100 /
 H200 (sm_90), on a machine without a GPU:
 
-    python kernels/ptxas_check.py [--top-k 4 8] [--shape embedded gdn-1.3b]
+    python benchmarks/ptxas_check.py [--top-k 4 8] [--shape embedded gdn-1.3b]
 
 Each launch of `FusedLiLiCorrHead.draft` is recorded instead of run and compiled by Triton
 for sm_90. The ptxas that ships with Triton assembles its PTX and reports the registers a
@@ -28,7 +28,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import kernels.triton_lilicorr as fused_head  # noqa: E402
-from kernels.bench_lilicorr import SHAPES, SLOTS  # noqa: E402
+from benchmarks.bench_lilicorr import SHAPES, SLOTS  # noqa: E402
 from specla.drafters.lilicorr import HeadConfig, LiLiCorrHead  # noqa: E402
 
 POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",

@@ -11,7 +11,7 @@ Suites (`--suite`, default all):
   head        the LiLiCorr head's share of a decoding step next to a GDN-1.3B-shape target:
               a LiLiCorr drafter sized for it (random bf16 weights) drafting device-graphed
               chains with its head fused, as torch ops, and not at all (the block chain).
-  kernels     kernels/bench_kernels.py (verify and commit kernels, GPU).
+  kernels     benchmarks/bench_kernels.py (verify and commit kernels, GPU).
   acceptance  tau of the trained drafters and exactness (specla.acceptance).
 
 Each suite writes <suite>.json into --out as it goes (a crash loses at most one variant),
@@ -36,6 +36,14 @@ import traceback
 from pathlib import Path
 
 import torch
+from specla.bench.measure import FlaAR, build_fla_model, copy_bandwidth, decode_bytes, oracle_calibrate, oracle_split, oracle_timed, spec_vs_ar_noise
+from specla.graphs.ar import GraphedAR
+from specla.graphs.buckets import comb_tree, max_path_for
+from specla.graphs.decoders import GraphedDecoder
+from specla.graphs.oracle import DeviceOracle
+from specla.graphs.runtime import PackedTarget, Stopwatch, capture
+from specla.graphs.spec import GraphedSpec, SpecState
+from specla.model import random_gdn
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results"
@@ -223,18 +231,17 @@ def small_config():
 
 
 def suite_runtime(args, env, deadline: Deadline) -> dict:
-    from specla import cuda_graphs as cg
     from specla.config import PUBLIC_1P3B
 
     res = Results(args.out, "runtime", env)
     if args.device.type != "cuda":
         res["skipped"] = "the runtime suite compares CUDA-graph runtimes: run it with --device cuda"
         return res.data
-    res["copy_bandwidth_GBps"] = stat(cg.copy_bandwidth(args.device))
+    res["copy_bandwidth_GBps"] = stat(copy_bandwidth(args.device))
     print(f"copy bandwidth {res['copy_bandwidth_GBps']['median']:.0f} GB/s", flush=True)
     res["models"] = {}
     random_model = lambda config: lambda: (  # noqa: E731
-        cg.random_target(config, args.device, torch.bfloat16, seed=args.seed),
+        random_gdn(config, args.device, torch.bfloat16, seed=args.seed),
         random_prompt(config.vocab_size, args.prompt_len, args.seed))
     models = (("gdn-1.3b-public", random_model(PUBLIC_1P3B)), ("embedded", lambda: embedded_model(args)),
               ("small", random_model(small_config())))
@@ -262,7 +269,6 @@ def embedded_model(args) -> tuple:
 
 
 def runtime_for_model(name, make_target, args, res: Results, deadline: Deadline) -> dict:
-    from specla import cuda_graphs as cg
 
     dev = args.device
     n = args.tokens or (64 if args.quick else 256)
@@ -273,7 +279,7 @@ def runtime_for_model(name, make_target, args, res: Results, deadline: Deadline)
     target, prompt = make_target()
     config = target.config
     root = prompt[-1]
-    nbytes = cg.decode_bytes(target)
+    nbytes = decode_bytes(target)
     bw = res["copy_bandwidth_GBps"]["median"]
     out = {"config": dataclasses.asdict(config), "prompt_tokens": len(prompt), "new_tokens": n,
            "parameters": sum(p.numel() for p in target.parameters()),
@@ -285,8 +291,8 @@ def runtime_for_model(name, make_target, args, res: Results, deadline: Deadline)
     ours = {}
 
     def ours_graph(ops):
-        rt = cg.Runtime(target, ops)
-        ar = cg.GraphedAR(rt, max_len=n + 8)
+        rt = PackedTarget(target, ops)
+        ar = GraphedAR(rt, max_len=n + 8)
         last = ar.prefill(prompt, record_last=compare_last)
         snap = ar.state.clone()
         ar.timed_generate(snap, root, n)                     # warm-up run
@@ -306,7 +312,7 @@ def runtime_for_model(name, make_target, args, res: Results, deadline: Deadline)
         res.save()
 
     def ours_eager():
-        ar = cg.GraphedAR(ours["rt"], max_len=n_eager + 2, use_graph=False)
+        ar = GraphedAR(ours["rt"], max_len=n_eager + 2, use_graph=False)
         ar.timed_generate(ours["snap"], root, 2)
         runs = [ar.timed_generate(ours["snap"], root, n_eager)[1] for _ in range(repeats_eager)]
         return {**timing(runs, n_eager, nbytes["total"], floor), "graph": False, "ops": ours["rt"].ops_note}
@@ -319,7 +325,7 @@ def runtime_for_model(name, make_target, args, res: Results, deadline: Deadline)
     fla = {}
 
     def fla_setup():
-        ar = cg.FlaAR(cg.build_fla_model(target), max_len=n + 8)
+        ar = FlaAR(build_fla_model(target), max_len=n + 8)
         fla["prefill_logits"] = ar.prefill(prompt)
         fla["ar"] = ar
         return {"prefill": "fla forward in pieces of 64 tokens with its cache"}
@@ -396,7 +402,6 @@ def runtime_correctness(fla: dict, ours: dict, prompt: list[int], n: int, compar
 # --------------------------------------------------------------------------- e2e suite
 
 def oracle_topologies(quick: bool):
-    from specla.cuda_graphs import comb_tree
     from specla.tree import DraftTree
 
     chains = (8,) if quick else (4, 8, 16)
@@ -425,7 +430,6 @@ def suite_e2e(args, env, deadline: Deadline) -> dict:
 
 def e2e_oracle_gpu(args, res: Results, deadline: Deadline) -> dict:
     """Oracle drafter at controlled acceptance on the GDN-1.3B public shape, all on device."""
-    from specla import cuda_graphs as cg
     from specla.config import PUBLIC_1P3B
 
     config = small_config() if args.tiny else PUBLIC_1P3B
@@ -437,13 +441,13 @@ def e2e_oracle_gpu(args, res: Results, deadline: Deadline) -> dict:
     out = res.data["oracle"] = {"config": dataclasses.asdict(config), "new_tokens": n,
                                 "prompt_tokens": args.prompt_len, "alphas": list(alphas), "rows": []}
     print("[e2e] oracle: building random bf16 target", flush=True)
-    target = cg.random_target(config, args.device, torch.bfloat16, seed=args.seed)
+    target = random_gdn(config, args.device, torch.bfloat16, seed=args.seed)
     prompt = random_prompt(config.vocab_size, args.prompt_len, args.seed)
     root = prompt[-1]
-    rt = cg.Runtime(target, args.ops)
+    rt = PackedTarget(target, args.ops)
     out["ops"], out["fp32_logits"] = rt.ops_note, rt.head_fp32
     capacity = n + 2 * max_path + 8
-    ar = cg.GraphedAR(rt, max_len=capacity + max_path + 8)
+    ar = GraphedAR(rt, max_len=capacity + max_path + 8)
     ar.prefill(prompt)
     snap = ar.state.clone()
 
@@ -457,18 +461,18 @@ def e2e_oracle_gpu(args, res: Results, deadline: Deadline) -> dict:
     t_ar = out["ar"]["ms_per_token"]["median"]
     cont = ar.timed_generate(snap, root, capacity)[0]
     ar_tokens = cont[:n]
-    noise = guarded(out, "spec_vs_ar_logit_noise", cg.spec_vs_ar_noise, rt, ar, snap, root, cont,
+    noise = guarded(out, "spec_vs_ar_logit_noise", spec_vs_ar_noise, rt, ar, snap, root, cont,
                     16, args.recurrence)
     threshold = 2 * noise if isinstance(noise, float) else 0.0
     out["excuse_threshold"] = threshold
     print(f"[e2e] AR {t_ar:.3f} ms/token; spec-vs-AR logit noise {noise}", flush=True)
 
     def run_config(name, tree, alphas_here, deferred=True):
-        state = cg.SpecState(rt, max_path=tree.depth + 1, capacity=capacity)
-        oracle = cg.DeviceOracle(cont, config.vocab_size, 0.0, max_steps=capacity + 1,
+        state = SpecState(rt, max_path=tree.depth + 1, capacity=capacity)
+        oracle = DeviceOracle(cont, config.vocab_size, 0.0, max_steps=capacity + 1,
                                  max_nodes=len(tree), capacity=capacity + 2 * max_path + 8,
                                  device=args.device, seed=args.seed)
-        spec = cg.GraphedSpec(rt, state, tree, mode="auto", deferred=deferred, oracle=oracle,
+        spec = GraphedSpec(rt, state, tree, mode="auto", deferred=deferred, oracle=oracle,
                               recurrence=args.recurrence, split_graphs=True)
         for alpha in alphas_here:
             if not deadline.ok(20):
@@ -510,13 +514,12 @@ def e2e_oracle_gpu(args, res: Results, deadline: Deadline) -> dict:
 
 
 def oracle_row(spec, ar, snap, root, n, alpha, cont, ar_tokens, repeats, t_ar, threshold) -> dict:
-    from specla import cuda_graphs as cg
 
     spec.oracle.set_alpha(alpha)
     spec.oracle.set_continuation(cont)
-    cal = cg.oracle_calibrate(spec, ar, snap, root, n)
-    runs = [cg.oracle_timed(spec, snap, root, n, cal.steps) for _ in range(repeats)]
-    split = cg.oracle_split(spec, snap, root, cal.steps)
+    cal = oracle_calibrate(spec, ar, snap, root, n)
+    runs = [oracle_timed(spec, snap, root, n, cal.steps) for _ in range(repeats)]
+    split = oracle_split(spec, snap, root, cal.steps)
     tokens = runs[0].tokens
     per_token = [r.ms / len(r.tokens) for r in runs]
     step_ms = [r.ms / r.steps for r in runs]
@@ -635,10 +638,9 @@ class PairReference:
 
     def noise(self, i: int, feature_layers) -> float:
         if self._noise is None:
-            from specla import cuda_graphs as cg
 
             pre, ref, _ = self(i, feature_layers)
-            self._noise = cg.spec_vs_ar_noise(self.rt, self.ar, pre[0], self.prompts[i][-1], ref, 16,
+            self._noise = spec_vs_ar_noise(self.rt, self.ar, pre[0], self.prompts[i][-1], ref, 16,
                                               self.recurrence)
         return self._noise
 
@@ -646,10 +648,10 @@ class PairReference:
 def device_chain_row(rt, drafter, settings, prompts: list[list[int]], n: int, ref: PairReference,
                      recurrence: str = "kernels", compile: bool = False, fused_head: bool = False) -> dict:
     """A trained block / LiLiCorr drafter drafting greedy chains on the device, inside the
-    step graph (`specla.device_drafter`): each prompt decoded once to warm (the first only)
+    step graph (`specla.graphs.drafters`): each prompt decoded once to warm (the first only)
     and once timed against AR's tokens, then its steps replayed phase by phase for the GPU
     split (verify / accept + commit / draft)."""
-    from specla.device_drafter import DeviceDraftDecoder
+    from specla.graphs.drafters import DeviceDraftDecoder
 
     dec = DeviceDraftDecoder(rt, drafter, settings, capacity=n + settings.block_size + 8,
                              recurrence=recurrence, split_graphs=True, compile=compile,
@@ -731,8 +733,7 @@ def head_alone_cost(rt, drafter, settings, prompt: list[int], inner: int = 20, r
     no replay launch; medians of `repeats` replays. `variants`: other launch options of the
     fused kernel (`FusedLiLiCorrHead`'s num_warps / mlp_block), timed the same way."""
     from kernels.triton_lilicorr import FusedLiLiCorrHead
-    from specla import cuda_graphs as cg
-    from specla.device_drafter import DeviceChainDrafter
+    from specla.graphs.drafters import DeviceChainDrafter
     from specla.drafters.lilicorr import candidates, greedy_walk, lattice
 
     dev = DeviceChainDrafter.from_settings(drafter, settings, fused_head=True)
@@ -765,13 +766,13 @@ def head_alone_cost(rt, drafter, settings, prompt: list[int], inner: int = 20, r
                 out[f"{label}_ms"] = {"error": f"{type(err).__name__}: {err}"}
         for name, fn in calls.items():
             try:
-                graph = cg.capture(lambda fn=fn: [fn() for _ in range(inner)])
+                graph = capture(lambda fn=fn: [fn() for _ in range(inner)])
             except Exception as err:  # noqa: BLE001
                 out[f"{name}_ms"] = {"error": f"{type(err).__name__}: {err}"}
                 continue
             samples = []
             for _ in range(repeats):
-                with cg.Stopwatch(rt.device) as sw:
+                with Stopwatch(rt.device) as sw:
                     graph.replay()
                 samples.append(sw.ms / inner)
             out[f"{name}_ms"] = stat(samples)
@@ -804,7 +805,6 @@ def suite_head(args, env, deadline: Deadline) -> dict:
     Random drafts are rarely accepted, so tau is ~1; a chain step's cost does not depend on it
     (static shapes: every step verifies the whole chain). The lattice is 7 slots x
     `--head-top-k` (default 4, the setting of the measured LiLiCorr chains)."""
-    from specla import cuda_graphs as cg
     from specla.config import PUBLIC_1P3B
     from specla.drafters import new_drafter
     from specla.drafters.base import DraftSettings
@@ -825,16 +825,16 @@ def suite_head(args, env, deadline: Deadline) -> dict:
     res.data.update(config=dataclasses.asdict(config), drafter=shape, block_size=SCALE_BLOCK,
                     top_k=args.head_top_k, new_tokens=n, prompts=count, prompt_tokens=args.prompt_len, rows=[])
     print(f"[head] building the random {config.hidden_size}-wide target and its LiLiCorr drafter", flush=True)
-    target = cg.random_target(config, args.device, dtype, seed=args.seed)
+    target = random_gdn(config, args.device, dtype, seed=args.seed)
     torch.manual_seed(args.seed)
     drafter = new_drafter("lilicorr", target, block_size=SCALE_BLOCK, top_k=max(args.head_top_k, 8),
                           **{k: dict(v) if isinstance(v, dict) else v for k, v in shape.items()})
     res["drafter_params"] = sum(p.numel() for p in drafter.net.parameters())
     res["head_params"] = sum(p.numel() for p in drafter.net.head.parameters())
     prompts = [random_prompt(config.vocab_size, args.prompt_len, args.seed + i) for i in range(count)]
-    rt = cg.Runtime(target, args.ops)
+    rt = PackedTarget(target, args.ops)
     res["ops"] = rt.ops_note
-    ref = PairReference(rt, cg.GraphedAR(rt, max_len=n + 64), prompts, n, args.recurrence)
+    ref = PairReference(rt, GraphedAR(rt, max_len=n + 64), prompts, n, args.recurrence)
     chain = DraftSettings(tree="chain", block_size=SCALE_BLOCK, top_k=args.head_top_k, budget=SCALE_BLOCK - 1)
     if cuda:
         guarded(res.data, "head_alone", head_alone_cost, rt, drafter, chain, prompts[0])
@@ -866,7 +866,6 @@ def suite_head(args, env, deadline: Deadline) -> dict:
 def e2e_pair_gpu(args, res: Results, deadline: Deadline) -> dict:
     """The embedded target with each trained drafter: first block and LiLiCorr chains drafted
     on the device inside the step graph, then every drafter eager between graph replays."""
-    from specla import cuda_graphs as cg
 
     loaded, skip = load_pair(args.device, args.quick, args.prompts, args.drafters)
     if loaded is None:
@@ -878,9 +877,9 @@ def e2e_pair_gpu(args, res: Results, deadline: Deadline) -> dict:
     if not drafters:
         out["skipped"] = "no loadable drafters in assets/drafters"
         return "skipped"
-    rt = cg.Runtime(target, args.ops)
+    rt = PackedTarget(target, args.ops)
     out["ops"] = rt.ops_note
-    ar = cg.GraphedAR(rt, max_len=n + 64)
+    ar = GraphedAR(rt, max_len=n + 64)
     # the pair's own budget starts after the set-up (its Triton compiles are not a variant)
     deadline = Deadline(min(deadline.left(), args.pair_budget))
     ar_for = PairReference(rt, ar, prompts, n, args.recurrence)
@@ -925,8 +924,8 @@ def e2e_pair_gpu(args, res: Results, deadline: Deadline) -> dict:
                    "draft_settings": dataclasses.asdict(settings)}
 
             def measure():
-                max_path = cg.max_path_for(settings.budget)
-                dec = cg.GraphedDecoder(rt, drafter, settings, max_path=max_path, capacity=n + max_path + 8,
+                max_path = max_path_for(settings.budget)
+                dec = GraphedDecoder(rt, drafter, settings, max_path=max_path, capacity=n + max_path + 8,
                                         recurrence=args.recurrence)
                 ar_ms, spec_ms, tokens, steps, divs, phases = [], [], 0, 0, [], {}
                 for i in range(len(prompts)):
@@ -998,7 +997,6 @@ def lilicorr_head_cost(drafter, settings, repeats: int = 50) -> dict:
     """GPU ms of the LiLiCorr head's own work in one draft step (top-k of the slot logits,
     the lattice transformer, all pair scores) next to the block pass it rides on, both
     eager and as CUDA-graph replays, timed with events over `repeats` calls after warm-up."""
-    from specla import cuda_graphs as cg
     from specla.drafters.lilicorr import lattice
 
     dev = drafter.ctx.device
@@ -1019,16 +1017,16 @@ def lilicorr_head_cost(drafter, settings, repeats: int = 50) -> dict:
                 fn()
             samples = []
             for _ in range(repeats):
-                with cg.Stopwatch(dev) as sw:
+                with Stopwatch(dev) as sw:
                     fn()
                 samples.append(sw.ms)
             out[f"{name}_eager_ms"] = stat(samples)
             if dev.type != "cuda":
                 continue
-            graph = cg.capture(fn)
+            graph = capture(fn)
             samples = []
             for _ in range(repeats):
-                with cg.Stopwatch(dev) as sw:
+                with Stopwatch(dev) as sw:
                     graph.replay()
                 samples.append(sw.ms)
             out[f"{name}_graph_ms"] = stat(samples)
@@ -1067,13 +1065,12 @@ def e2e_cpu(args, res: Results, deadline: Deadline) -> dict:
 
 def e2e_cpu_tiny(args, res: Results, deadline: Deadline) -> dict:
     from specla.config import GDNConfig
-    from specla.cuda_graphs import random_target
     from specla.drafters.base import DraftSettings
     from specla.drafters.oracle import OracleDrafter
 
     config = GDNConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_heads=2,
                        head_dim=32, expand_v=1.0)
-    target = random_target(config, "cpu", torch.float32, seed=args.seed)
+    target = random_gdn(config, "cpu", torch.float32, seed=args.seed)
     n = args.tokens or (32 if args.quick else 64)
     k = args.prompts or (2 if args.quick else 4)
     prompts = [random_prompt(config.vocab_size, 24, args.seed + i) for i in range(k)]
@@ -1179,7 +1176,7 @@ def eager_pair_row(target, prompts, make_drafter, settings, n: int, repeats: int
 
 def suite_kernels(args, env, deadline: Deadline) -> dict:
     res = Results(args.out, "kernels_run", env)
-    script = ROOT / "kernels" / "bench_kernels.py"
+    script = ROOT / "benchmarks" / "bench_kernels.py"
     if args.device.type != "cuda":
         res["skipped"] = "the kernel benchmark needs CUDA"
         return res.data

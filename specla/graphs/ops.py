@@ -1,0 +1,325 @@
+"""The target's weights packed for decoding, and the per-layer ops the captured forwards call.
+
+`TorchOps` is plain torch, operation for operation what `specla.model` computes (the CPU
+path, and the reference every fused op is checked against); `FlaOps` runs fla's fused Triton
+kernels and this project's fused conv + gates kernel on CUDA. `make_ops` picks one after
+checking it against `TorchOps` on random data.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from kernels import reference
+from specla.config import GDNConfig
+from specla.model import l2norm
+
+
+@dataclasses.dataclass
+class PackedLayer:
+    attn_norm: torch.Tensor
+    w_in: torch.Tensor        # [C + G + 2H, D]: q|k|v (conv inputs), output gate (G rows), a, b
+    conv_w: torch.Tensor      # [C, W]
+    conv_b: torch.Tensor | None
+    A_log: torch.Tensor       # fp32 [H] (the checkpoint's values, as fla reads them)
+    neg_A: torch.Tensor       # fp32 -exp(A_log), computed once instead of every step
+    dt_bias: torch.Tensor     # fp32 [H]
+    o_norm: torch.Tensor
+    w_o: torch.Tensor
+    mlp_norm: torch.Tensor
+    w_gate_up: torch.Tensor   # [2I, D]
+    w_down: torch.Tensor
+
+
+def pack_layer(block, config: GDNConfig) -> PackedLayer:
+    attn, mlp = block.attn, block.mlp
+    mats = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+    if config.use_gate:
+        mats.append(attn.g_proj.weight)
+    mats += [attn.a_proj.weight, attn.b_proj.weight]
+    conv_w, conv_b = attn.conv_weight()
+    A_log = attn.A_log.detach().float().contiguous()
+    return PackedLayer(
+        attn_norm=block.attn_norm.weight.detach(),
+        w_in=torch.cat([m.detach() for m in mats]).contiguous(),
+        conv_w=conv_w.detach().contiguous(),
+        conv_b=None if conv_b is None else conv_b.detach().contiguous(),
+        A_log=A_log, neg_A=-A_log.exp(),
+        dt_bias=attn.dt_bias.detach().float().contiguous(),
+        o_norm=attn.o_norm.weight.detach(),
+        w_o=attn.o_proj.weight.detach(),
+        mlp_norm=block.mlp_norm.weight.detach(),
+        w_gate_up=torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]).contiguous(),
+        w_down=mlp.down_proj.weight.detach())
+
+
+def gdn_gates(q, k, v, a, b, layer: PackedLayer, config: GDNConfig):
+    """q, k, v raw conv outputs [B,N,H,*]; a, b raw projections [B,N,H] -> recurrence inputs,
+    with the model's arithmetic (`GatedDeltaNetMixer.qkv_gates`)."""
+    q = l2norm(q.float()) * config.head_dim ** -0.5
+    k = l2norm(k.float())
+    g = layer.neg_A * F.softplus(a.float() + layer.dt_bias)
+    beta = b.float().sigmoid()
+    if config.allow_neg_eigval:
+        beta = beta * 2
+    return q, k, v.float(), g, beta
+
+
+class TorchOps:
+    """Plain torch, operation for operation what `specla.model` computes (the CPU path, and
+    the reference the fused kernels are checked against)."""
+    name = "torch"
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        """(norm(residual + x), residual + x): the residual add rides on the norm."""
+        if residual is not None:
+            x = residual + x
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return (x32 * weight.float()).to(x.dtype), x
+
+    def gated_norm(self, o, gate, weight, eps, activation):
+        dtype = weight.dtype if gate is None else gate.dtype
+        y, _ = self.rms_norm(o.to(dtype), weight, eps)
+        if gate is None:
+            return y
+        return y * (F.silu(gate) if activation in ("swish", "silu") else gate.sigmoid())
+
+    def swiglu(self, gate, up):
+        return F.silu(gate) * up
+
+    def conv(self, x, window, index, weight, bias):
+        """Short conv along each node's ancestor path: x [1,N,C], window [1,C,W-1] (oldest
+        first), index [N,W] into concat(window, x). `GatedDeltaNetMixer.tree_conv`'s arithmetic."""
+        history = torch.cat([window.transpose(1, 2).to(x.dtype), x], dim=1)
+        out = (history[:, index] * weight.t().to(x.dtype)).sum(2)
+        if bias is not None:
+            out = out + bias
+        return F.silu(out)
+
+    def conv_gates(self, x, a, b, window, index, layer: "PackedLayer", config: GDNConfig, out=None):
+        """Conv of x [1,N,C] along each node's path, then the recurrence inputs (q, k, v, g,
+        beta) with the gate and beta projections a, b [1,N,H]. `out`
+        (k [1,N,H,K], g [1,N,H], x [1,N,C] buffers, or None) receives the commit factors;
+        the k and g returned are those buffers then."""
+        C = config.conv_channels
+        H, K = config.num_heads, config.head_dim
+        qkv = self.conv(x, window, index, layer.conv_w, layer.conv_b)
+        q, k, v = qkv[..., :H * K], qkv[..., H * K:2 * H * K], qkv[..., 2 * H * K:C]
+        N = x.shape[1]
+        q, k, v, g, beta = gdn_gates(q.view(1, N, H, K), k.view(1, N, H, K),
+                                     v.view(1, N, H, config.head_v_dim), a, b, layer, config)
+        if out is not None:
+            k_out, g_out, x_out = out
+            k_out.copy_(k), g_out.copy_(g), x_out.copy_(x)
+            k, g = k_out, g_out
+        return q, k, v, g, beta
+
+    def conv_step(self, x, cache, weight, bias, index1):
+        """One token: x [1,1,C]; cache [1,C,W] holds the last W inputs (newest last), updated
+        in place."""
+        y = self.conv(x, cache[..., 1:], index1, weight, bias)
+        cache.copy_(torch.cat([cache[..., 1:], x.transpose(1, 2).to(cache.dtype)], dim=-1))
+        return y
+
+    def recurrent_step(self, q, k, v, a, b, S, layer: PackedLayer, config: GDNConfig):
+        """One token of the gated delta rule, S [1,H,K,V] fp32 updated in place with the ops of
+        `kernels.reference.gated_delta_step` (so the state equals a factor commit bit for bit)."""
+        q, k, v, g, beta = gdn_gates(q, k, v, a, b, layer, config)
+        q, k, v, g, beta = q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0]
+        S.mul_(g.exp()[..., None, None])
+        delta = beta[..., None] * (v - (S * k[..., None]).sum(-2))
+        S.add_(k[..., :, None] * delta[..., None, :])
+        return (S * q[..., None]).sum(-2)[:, None]
+
+
+class FlaOps(TorchOps):
+    """fla's fused Triton kernels: residual add + RMSNorm in one kernel, the conv update in
+    place on the cache, the whole recurrence (l2norm, gates, beta, state update) in one
+    kernel writing the state in place, gated RMSNorm and SwiGLU in one kernel each."""
+    name = "fla"
+
+    def __init__(self):
+        from fla.modules.activations import swiglu
+        from fla.modules.causal_conv1d.ops import causal_conv1d_update
+        from fla.modules.norm.fused_norm_gate import rms_norm_gated
+        from fla.modules.norm.layernorm import rms_norm
+        from fla.ops.gated_delta_rule import fused_recurrent
+
+        self._rms_norm, self._rms_norm_gated, self._swiglu = rms_norm, rms_norm_gated, swiglu
+        self._conv_update = causal_conv1d_update
+        self._recurrent = fused_recurrent.fused_recurrent_gated_delta_rule
+        self._recurrent_kernel = fused_recurrent.fused_recurrent_gated_delta_rule_fwd_kernel
+        # fla's wrapper allocates a new final state each call; launching its kernel with
+        # h0 = ht = S updates the state in place (each program owns one [K, BV] tile). The
+        # self-check turns this off if the launch does not match the wrapper.
+        self.inplace_recurrent = True
+        # the verify forward's conv + gates in one kernel; off if its self-check fails
+        self.fused_conv_gates = True
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        if residual is None:
+            return self._rms_norm(x, weight, None, eps=eps), x
+        y, res = self._rms_norm(x, weight, None, residual=residual, eps=eps, prenorm=True)
+        return y, res
+
+    def gated_norm(self, o, gate, weight, eps, activation):
+        if gate is None:
+            return self._rms_norm(o.to(weight.dtype), weight, None, eps=eps)
+        return self._rms_norm_gated(o.to(gate.dtype), gate, weight, None, activation=activation, eps=eps)
+
+    def swiglu(self, gate, up):
+        return self._swiglu(gate, up)
+
+    def conv(self, x, window, index, weight, bias):
+        # fp32 accumulation and one rounding, as fla's conv update kernel does for AR steps
+        return reference.tree_conv_ref(x, window, index, weight, bias)
+
+    def conv_gates(self, x, a, b, window, index, layer: "PackedLayer", config: GDNConfig, out=None):
+        """`TorchOps.conv_gates` in one Triton launch (`kernels/triton_conv_gates.py`), which
+        writes the factors into `out` itself."""
+        if not self.fused_conv_gates:
+            return super().conv_gates(x, a, b, window, index, layer, config, out)
+        from kernels.triton_conv_gates import conv_gates
+
+        k_out, g_out, x_out = out if out is not None else (None, None, None)
+        return conv_gates(x, window, index, layer.conv_w, layer.conv_b, a, b, layer.neg_A,
+                          layer.dt_bias, config.head_dim, config.head_v_dim, config.allow_neg_eigval,
+                          k_out=k_out, g_out=g_out, x_out=x_out)
+
+    def conv_step(self, x, cache, weight, bias, index1):
+        y, _ = self._conv_update(x=x, cache=cache, weight=weight, bias=bias, activation="silu")
+        return y
+
+    def recurrent_step(self, q, k, v, a, b, S, layer: PackedLayer, config: GDNConfig):
+        scale = config.head_dim ** -0.5
+        if not self.inplace_recurrent:
+            o, ht = self._recurrent(
+                q=q, k=k, v=v, g=a, beta=b, scale=scale, initial_state=S, output_final_state=True,
+                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=layer.A_log,
+                dt_bias=layer.dt_bias, use_beta_sigmoid_in_kernel=True,
+                allow_neg_eigval=config.allow_neg_eigval)
+            S.copy_(ht)
+            return o
+        return self.recurrent_inplace(q, k, v, a, b, S, layer.A_log, layer.dt_bias, scale,
+                                      config.allow_neg_eigval)
+
+    def recurrent_inplace(self, q, k, v, a, b, S, A_log, dt_bias, scale, neg_eigval):
+        import triton
+
+        B, T, H, K = k.shape
+        V = v.shape[-1]
+        o = torch.empty(v.shape, dtype=v.dtype, device=v.device)   # dense [B,T,H,V]
+        BK, BV = triton.next_power_of_2(K), min(8, triton.next_power_of_2(V))
+        grid = (triton.cdiv(V, BV) * B * H,)
+        self._recurrent_kernel[grid](
+            q=q, k=k, v=v, g=a, gk=None, gv=None, beta=b, A_log=A_log, dt_bias=dt_bias, o=o,
+            h0=S, ht=S, cu_seqlens=None, scale=scale, T=T, H=H, HV=H, K=K, V=V, BK=BK, BV=BV,
+            IS_BETA_HEADWISE=True, USE_QK_L2NORM_IN_KERNEL=True, APPLY_BETA_SIGMOID=True,
+            ALLOW_NEG_EIGVAL=neg_eigval, STATE_V_FIRST=False, num_warps=1, num_stages=3)
+        return o
+
+
+def check_ops(ops: TorchOps, config: GDNConfig, device, dtype, seed: int = 0) -> list[str]:
+    """Compare every op of `ops` with TorchOps on random data; returns the failures."""
+    ref, failures = TorchOps(), []
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rnd(*shape, scale=1.0, dt=dtype):
+        return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dt)
+
+    def close(name, got, want, tol):
+        err = (got.float() - want.float()).abs().max().item()
+        if not err <= tol * (1 + want.float().abs().max().item()):
+            failures.append(f"{name}: max abs err {err:.3g}")
+
+    H, K, Vh = config.num_heads, config.head_dim, config.head_v_dim
+    D, W = config.hidden_size, config.conv_size
+    C = config.conv_channels
+    tol = 2e-2 if dtype != torch.float32 else 1e-4
+    x, res, w = rnd(1, 3, D), rnd(1, 3, D), rnd(D, scale=0.1) + 1
+    for with_res in (False, True):
+        got = ops.rms_norm(x, w, config.norm_eps, res if with_res else None)
+        want = ref.rms_norm(x, w, config.norm_eps, res if with_res else None)
+        close(f"rms_norm(res={with_res})", got[0], want[0], tol)
+        close(f"rms_norm residual(res={with_res})", got[1], want[1], tol)
+    o, gate, wo = rnd(1, 3, H, Vh, dt=torch.float32), rnd(1, 3, H, Vh), rnd(Vh, scale=0.1) + 1
+    act = config.output_gate_activation
+    close("gated_norm", ops.gated_norm(o, gate, wo, config.norm_eps, act),
+          ref.gated_norm(o, gate, wo, config.norm_eps, act), tol)
+    gu = rnd(1, 3, 64)
+    close("swiglu", ops.swiglu(gu[..., :32], gu[..., 32:]), ref.swiglu(gu[..., :32], gu[..., 32:]), tol)
+    xin, cw = rnd(1, 1, C), rnd(C, W, scale=0.5)
+    cache1, cache2 = rnd(1, C, W), None
+    cache2 = cache1.clone()
+    index1 = torch.arange(W, device=device).view(1, W)
+    close("conv_step", ops.conv_step(xin, cache1, cw, None, index1),
+          ref.conv_step(xin, cache2, cw, None, index1), tol)
+    close("conv_step cache", cache1, cache2, tol)
+    layer = PackedLayer(attn_norm=w, w_in=w, conv_w=cw, conv_b=None,
+                        A_log=(torch.rand(H, generator=gen) * 2).to(device),
+                        neg_A=None, dt_bias=(torch.randn(H, generator=gen) * 0.5).to(device),
+                        o_norm=wo, w_o=wo, mlp_norm=w, w_gate_up=w, w_down=w)
+    layer.neg_A = -layer.A_log.exp()
+    q, k, v, a, b = rnd(1, 1, H, K), rnd(1, 1, H, K), rnd(1, 1, H, Vh), rnd(1, 1, H), rnd(1, 1, H)
+    S1 = torch.randn(1, H, K, Vh, generator=gen).to(device) * 0.1
+    S2 = S1.clone()
+    close("recurrent_step", ops.recurrent_step(q, k, v, a, b, S1, layer, config),
+          ref.recurrent_step(q, k, v, a, b, S2, layer, config), tol)
+    close("recurrent_step state", S1, S2, 1e-4 if dtype == torch.float32 else 2e-3)
+    # the verify forward's conv + gates: 5 nodes of a small tree, projections strided as
+    # slices of one matrix product's output
+    N, G = 5, 2 * H + 3
+    proj = rnd(1, N, C + G)
+    xs, a5, b5 = proj[..., :C], proj[..., C:C + H], proj[..., C + H:C + 2 * H]
+    window = rnd(1, C, W)[..., 1:]
+    parents = [-1, 0, 1, 0, 3]
+    index = torch.zeros(N, W, dtype=torch.long)
+    for n in range(N):       # a node's window: the committed tail, then its ancestors, then itself
+        path, p = [], n
+        while p >= 0:
+            path.append(W - 1 + p)
+            p = parents[p]
+        index[n] = torch.tensor((list(range(W - 1)) + path[::-1])[-W:])
+    index = index.to(device)
+    buffers = [(torch.zeros(1, N, H, K, device=device), torch.zeros(1, N, H, device=device),
+                torch.zeros(1, N, C, device=device, dtype=dtype)) for _ in range(2)]
+    try:
+        got = ops.conv_gates(xs, a5, b5, window, index, layer, config, buffers[0])
+    except Exception as err:  # noqa: BLE001 - a kernel that does not compile fails its check
+        failures.append(f"conv_gates: {type(err).__name__}: {err}")
+        return failures
+    want = ref.conv_gates(xs, a5, b5, window, index, layer, config, buffers[1])
+    for name, x1, x2 in zip(("q", "k", "v", "g", "beta"), got, want):
+        close(f"conv_gates {name}", x1, x2, tol)
+    for name, x1, x2 in zip(("k", "g", "x"), *buffers):
+        close(f"conv_gates factor {name}", x1, x2, tol)
+    return failures
+
+
+def make_ops(name: str, config: GDNConfig, device, dtype) -> tuple[TorchOps, str]:
+    """The op set for `name` (auto | fla | torch) and a note saying what was chosen and why."""
+    device = torch.device(device)
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return TorchOps(), "torch ops" + ("" if name == "torch" else " (no CUDA)")
+    try:
+        ops = FlaOps()
+        # the in-place launch of fla's recurrent kernel must match fla's own wrapper
+        probe = check_ops(ops, config, device, dtype)
+        if any(f.startswith("recurrent") for f in probe):
+            ops.inplace_recurrent = False
+            probe = check_ops(ops, config, device, dtype)
+        if any(f.startswith("conv_gates") for f in probe):
+            ops.fused_conv_gates = False
+            probe = check_ops(ops, config, device, dtype)
+        if probe:
+            raise RuntimeError("; ".join(probe))
+        note = ("fla fused kernels" + ("" if ops.inplace_recurrent else " (recurrent state copied back)")
+                + ("" if ops.fused_conv_gates else " (conv + gates unfused: its kernel failed its check)"))
+        return ops, note
+    except Exception as err:  # noqa: BLE001 - any failure means: use the plain-torch ops
+        if name == "fla":
+            raise
+        return TorchOps(), f"torch ops (fla kernels unusable: {type(err).__name__}: {err})"

@@ -1,0 +1,239 @@
+"""The static pieces every captured graph shares: the packed target and its forwards, the
+static recurrent + conv state, and the capture / timing helpers."""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from specla.config import GDNConfig
+from specla.graphs.ops import PackedLayer, make_ops, pack_layer
+from specla.model import Factors, GDNForCausalLM, InferenceState, Topology
+
+
+class StaticState:
+    """Recurrent state [L,1,H,K,V] fp32 and conv cache [L,1,C,W] (the last W pre-conv inputs,
+    newest last, fla's layout; `conv[..., 1:]` is `InferenceState.conv`), allocated once."""
+
+    def __init__(self, config: GDNConfig, device, dtype):
+        c = config
+        self.recurrent = torch.zeros(c.num_hidden_layers, 1, c.num_heads, c.head_dim, c.head_v_dim,
+                                     device=device, dtype=torch.float32)
+        self.conv = torch.zeros(c.num_hidden_layers, 1, c.conv_channels, c.conv_size,
+                                device=device, dtype=dtype)
+
+    def copy_(self, other: "StaticState | InferenceState") -> "StaticState":
+        if isinstance(other, InferenceState):
+            if other.pending is not None:
+                raise ValueError("flush the deferred commit before loading an InferenceState")
+            self.recurrent.copy_(other.recurrent)
+            self.conv[..., 1:].copy_(other.conv)
+            self.conv[..., 0].zero_()
+        else:
+            self.recurrent.copy_(other.recurrent)
+            self.conv.copy_(other.conv)
+        return self
+
+    def clone(self) -> "StaticState":
+        new = StaticState.__new__(StaticState)
+        new.recurrent, new.conv = self.recurrent.clone(), self.conv.clone()
+        return new
+
+    def to_inference_state(self) -> InferenceState:
+        return InferenceState(self.recurrent.clone(), self.conv[..., 1:].clone())
+
+
+class PackedTarget:
+    """The target packed for decoding, with the forwards both graphs capture."""
+
+    def __init__(self, target: GDNForCausalLM, ops: str = "auto"):
+        c = self.config = target.config
+        self.target, self.device, self.dtype = target, target.device, target.dtype
+        self.ops, self.ops_note = make_ops(ops, c, self.device, self.dtype)
+        with torch.no_grad():
+            self.layers = [pack_layer(block, c) for block in target.model.layers]
+            self.embed = target.model.embeddings.weight.detach()
+            self.norm_w = target.model.norm.weight.detach()
+            self.lm_head = target.lm_head.weight.detach()
+        G = c.value_dim if c.use_gate else 0
+        C = c.conv_channels
+        self.splits = (C, G, c.num_heads, c.num_heads)
+        self.index1 = torch.arange(c.conv_size, device=self.device).view(1, -1)
+        self.head_fp32 = self._probe_fp32_head()
+
+    def _probe_fp32_head(self) -> bool:
+        """bf16 GEMM with fp32 output for the LM head where cuBLAS offers it: logits keep their
+        precision (bf16 logits tie exactly for ~8% of top-2 pairs, a needless source of flips)."""
+        if self.device.type != "cuda" or self.dtype == torch.float32:
+            return False
+        try:
+            h = torch.randn(2, self.config.hidden_size, device=self.device, dtype=self.dtype)
+            out = torch.mm(h, self.lm_head.t(), out_dtype=torch.float32)
+            ref = F.linear(h, self.lm_head).float()
+            return bool(out.dtype == torch.float32 and (out - ref).abs().max() < 0.05)
+        except Exception:  # noqa: BLE001 - older torch: plain bf16 head
+            return False
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        h = h.reshape(-1, h.shape[-1])
+        if self.head_fp32:
+            return torch.mm(h, self.lm_head.t(), out_dtype=torch.float32)
+        return F.linear(h, self.lm_head).float()
+
+    # pieces shared by the AR step and the tree forward
+    def split_in(self, y):
+        C, G, H, _ = self.splits
+        conv_in = y[..., :C]
+        gate = y[..., C:C + G] if G else None
+        return conv_in, gate, y[..., C + G:C + G + H], y[..., C + G + H:C + G + 2 * H]
+
+    def split_qkv(self, qkv):
+        c = self.config
+        B, N = qkv.shape[:2]
+        q = qkv[..., :c.key_dim].view(B, N, c.num_heads, c.head_dim)
+        k = qkv[..., c.key_dim:2 * c.key_dim].view(B, N, c.num_heads, c.head_dim)
+        v = qkv[..., 2 * c.key_dim:].view(B, N, c.num_heads, c.head_v_dim)
+        return q, k, v
+
+    def attn_out(self, o, gate, layer: PackedLayer):
+        c = self.config
+        B, N = o.shape[:2]
+        if gate is not None:
+            gate = gate.view(B, N, c.num_heads, c.head_v_dim)
+        o = self.ops.gated_norm(o, gate, layer.o_norm, c.norm_eps, c.output_gate_activation)
+        return F.linear(o.reshape(B, N, c.value_dim).to(self.dtype), layer.w_o)
+
+    def mlp(self, h, layer: PackedLayer):
+        I = self.config.mlp_size
+        gu = F.linear(h, layer.w_gate_up)
+        return F.linear(self.ops.swiglu(gu[..., :I], gu[..., I:]), layer.w_down)
+
+    def ar_forward(self, token: torch.Tensor, state: StaticState) -> torch.Tensor:
+        """One token [1,1] -> logits [1, vocab] fp32; the state is updated in place."""
+        c, ops = self.config, self.ops
+        x, residual = F.embedding(token, self.embed), None
+        for l, layer in enumerate(self.layers):
+            h, residual = ops.rms_norm(x, layer.attn_norm, c.norm_eps, residual)
+            conv_in, gate, a, b = self.split_in(F.linear(h, layer.w_in))
+            qkv = ops.conv_step(conv_in, state.conv[l], layer.conv_w, layer.conv_b, self.index1)
+            q, k, v = self.split_qkv(qkv)
+            o = ops.recurrent_step(q, k, v, a, b, state.recurrent[l], layer, c)
+            x = self.attn_out(o, gate, layer)
+            h, residual = ops.rms_norm(x, layer.mlp_norm, c.norm_eps, residual)
+            x = self.mlp(h, layer)
+        h, _ = ops.rms_norm(x, self.norm_w, c.norm_eps, residual)
+        return self.head(h)
+
+    def tree_forward(self, tokens: torch.Tensor, state: StaticState, conv_index: torch.Tensor,
+                     verify_fn: Callable, factors: Factors | None = None,
+                     feature_layers: tuple[int, ...] = ()):
+        """All nodes of a draft tree (tokens [1,N], -1 = dummy) from `state`, which only
+        `verify_fn(layer, q, k, v, g, beta, S)` may write (to fold a pending commit in).
+
+        Returns logits [N, vocab] fp32, last hidden [N, D], features [N, F, D] or None; the
+        factors of every node are written into `factors` ([L,1,N,...] buffers).
+        """
+        c, ops = self.config, self.ops
+        x, residual, feats = F.embedding(tokens.clamp(min=0), self.embed), None, []
+        for l, layer in enumerate(self.layers):
+            h, residual = ops.rms_norm(x, layer.attn_norm, c.norm_eps, residual)
+            conv_in, gate, a, b = self.split_in(F.linear(h, layer.w_in))
+            out = None if factors is None else (factors.k[l], factors.g[l], factors.conv_in[l])
+            q, k, v, g, beta = ops.conv_gates(conv_in, a, b, state.conv[l][..., 1:], conv_index,
+                                              layer, c, out)
+            o, delta = verify_fn(l, q, k, v, g, beta, state.recurrent[l])
+            if factors is not None:
+                factors.delta[l].copy_(delta)
+            x = self.attn_out(o, gate, layer)
+            h, residual = ops.rms_norm(x, layer.mlp_norm, c.norm_eps, residual)
+            x = self.mlp(h, layer)
+            if l in feature_layers:
+                feats.append(residual + x)        # the block's output, as the model returns it
+        h, _ = ops.rms_norm(x, self.norm_w, c.norm_eps, residual)
+        features = torch.stack(feats, dim=2)[0] if feats else None
+        return self.head(h), h[0], features
+
+    def new_factors(self, n: int) -> Factors:
+        c, L = self.config, self.config.num_hidden_layers
+        z = dict(device=self.device, dtype=torch.float32)
+        return Factors(torch.zeros(L, 1, n, c.num_heads, c.head_dim, **z),
+                       torch.zeros(L, 1, n, c.num_heads, c.head_v_dim, **z),
+                       torch.zeros(L, 1, n, c.num_heads, **z),
+                       torch.zeros(L, 1, n, c.conv_channels, device=self.device, dtype=self.dtype))
+
+    @torch.no_grad()
+    def prefill(self, tokens: list[int], feature_layers: tuple[int, ...] = (), chunk: int = 64):
+        """Eager chunked prefill of all but the last token through the tree forward (so real
+        drafters get the prompt's features). Returns (StaticState, features, last_hidden)."""
+        from specla.verify import commit_layer, verify_layer
+
+        state = StaticState(self.config, self.device, self.dtype)
+        body, feats, hiddens = tokens[:-1], [], []
+        hist = self.config.conv_size - 1
+        for start in range(0, len(body), chunk):
+            piece = torch.tensor([body[start:start + chunk]], device=self.device)
+            n = piece.shape[1]
+            topo = Topology.chain(n, self.config.conv_size, self.device)
+            factors = self.new_factors(n)
+
+            def verify(l, q, k, v, g, beta, S, topo=topo):
+                return verify_layer("chain", q, k, v, g, beta, S, topo)
+
+            _, hidden, f = self.tree_forward(piece, state, topo.conv_index, verify, factors, feature_layers)
+            for l in range(self.config.num_hidden_layers):
+                commit_layer(state.recurrent[l], factors.k[l], factors.delta[l], factors.g[l])
+                window = torch.cat([state.conv[l][..., 1:], factors.conv_in[l].transpose(1, 2)], dim=-1)
+                state.conv[l][..., 1:] = window[..., -hist:]
+            hiddens.append(hidden)
+            if f is not None:
+                feats.append(f)
+        if not hiddens:
+            hiddens = [torch.zeros(0, self.config.hidden_size, device=self.device, dtype=self.dtype)]
+        hidden = torch.cat(hiddens)
+        return state, (torch.cat(feats) if feats else None), hidden
+
+
+def capture(fn: Callable[[], None], warmup: int = 2) -> torch.cuda.CUDAGraph:
+    """Warm up on a side stream (Triton compiles and autotunes there), then capture once."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Stopwatch:
+    """Elapsed milliseconds of a region: CUDA events on the GPU, perf_counter on the CPU."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.device = device
+
+    def __enter__(self):
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.end.record()
+            self.end.synchronize()
+            self.ms = self.start.elapsed_time(self.end)
+        else:
+            self.ms = 1e3 * (time.perf_counter() - self.t0)

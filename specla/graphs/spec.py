@@ -1,0 +1,385 @@
+"""One speculative step as CUDA graphs: verify every draft node, accept on the device, commit
+(now or deferred), and draft the next step with a device-resident drafter."""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from specla.graphs.runtime import PackedTarget, StaticState, capture, sync
+from specla.model import InferenceState, Topology
+from specla.tree import DraftTree
+
+if TYPE_CHECKING:
+    from specla.graphs.oracle import DeviceOracle
+
+
+class SpecTopology:
+    """A draft tree's shape as static device tensors: everything verification, acceptance,
+    commit and the device oracle need, so none of them asks the host during a replay.
+
+    `load(tree)` rewrites them in place for another tree of the same node count: a graph
+    captured with "tree" verification (whose kernels read the parents from the device) then
+    serves every tree of that size (`pad_tree` fills smaller ones with dummy nodes).
+    """
+
+    def __init__(self, tree: DraftTree, conv_size: int, max_path: int, device):
+        self.conv_size, self.max_path, self.n = conv_size, max_path, len(tree)
+        host = self._host(tree)
+        self.model_topo = Topology(tree, host.pop("parents_raw").to(device),
+                                   host.pop("conv_index").to(device))
+        self.conv_index = self.model_topo.conv_index
+        for name, value in host.items():
+            setattr(self, name, value.to(device))
+        self.tree = tree
+        self.arange_p = torch.arange(max_path, device=device)
+
+    def _host(self, tree: DraftTree) -> dict[str, torch.Tensor]:
+        n, P = len(tree), self.max_path
+        if n != self.n:
+            raise ValueError(f"a topology of {self.n} nodes cannot hold a tree of {n}")
+        if tree.depth + 1 > P:
+            raise ValueError(f"tree depth {tree.depth} needs paths of {tree.depth + 1} > {P}")
+        anc = tree.ancestor_mask()
+        earlier = torch.zeros(n, n)
+        for kids in tree.children:
+            for r, i in enumerate(kids):
+                earlier[i, kids[:r]] = 1.0
+        path = torch.zeros(n, P, dtype=torch.long)
+        for i in range(n):
+            nodes = tree.path_to(i)
+            path[i, :len(nodes)] = torch.tensor(nodes)
+        # the "main line": root, then each main node's first child (the device oracle puts the
+        # true continuation only there; for a chain every node is on it)
+        main = [True] + [False] * (n - 1)
+        for i in range(1, n):
+            p = tree.parents[i]
+            main[i] = main[p] and tree.children[p][0] == i
+        return {"parents_raw": torch.tensor(tree.parents),
+                "conv_index": tree.conv_window_index(self.conv_size),
+                "parent": torch.tensor([max(p, 0) for p in tree.parents]),
+                "anc": anc.float(),
+                "anc_or_self": (anc | torch.eye(n, dtype=torch.bool)).float(),
+                "earlier_sibling": earlier,
+                "is_root": torch.arange(n) == 0,
+                "depth": torch.tensor(tree.depths),
+                "path_table": path,
+                "main": torch.tensor(main)}
+
+    def load(self, tree: DraftTree) -> None:
+        """Rewrite every tensor in place for `tree` (same node count; no reallocation)."""
+        host = self._host(tree)
+        self.model_topo.parents.copy_(host.pop("parents_raw"))
+        self.conv_index.copy_(host.pop("conv_index"))
+        for name, value in host.items():
+            getattr(self, name).copy_(value)
+        self.tree = self.model_topo.tree = tree
+
+
+class SpecState:
+    """The static decoding state that speculative graphs share: recurrent + conv state, the
+    deferred commit's pending factors padded to `max_path`, and the device-side bookkeeping
+    (next root, tokens produced, step count, output tokens, per-step records)."""
+
+    def __init__(self, rt: PackedTarget, max_path: int, capacity: int):
+        c, dev, L = rt.config, rt.device, rt.config.num_hidden_layers
+        self.rt, self.max_path, self.capacity = rt, max_path, capacity
+        self.cache = StaticState(c, dev, rt.dtype)
+        z = dict(device=dev, dtype=torch.float32)
+        self.pk = torch.zeros(L, 1, max_path, c.num_heads, c.head_dim, **z)
+        self.pd = torch.zeros(L, 1, max_path, c.num_heads, c.head_v_dim, **z)
+        self.pg = torch.zeros(L, 1, max_path, c.num_heads, **z)
+        i64 = dict(device=dev, dtype=torch.long)
+        self.root, self.pos, self.step = (torch.zeros(1, **i64) for _ in range(3))
+        self.out = torch.zeros(capacity + 2 * max_path + 2, **i64)
+        self.acc = torch.zeros(capacity + 1, **i64)           # accepted drafts per step
+        self.div = torch.zeros(capacity + 1, **i64)           # 1 where bonus != oracle's token
+        self.gap = torch.zeros(capacity + 1, **z)             # logit gap at that bonus
+        self.last = torch.zeros(5, **i64)                     # a, end node, bonus, diverged, pos
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [self.cache.recurrent, self.cache.conv, self.pk, self.pd, self.pg, self.root,
+                self.pos, self.step, self.out, self.acc, self.div, self.gap, self.last]
+
+    @torch.no_grad()
+    def reset(self, state: StaticState | InferenceState, root: int) -> None:
+        self.cache.copy_(state)
+        for t in (self.pk, self.pd, self.pg, self.pos, self.step, self.acc, self.div, self.gap):
+            t.zero_()
+        self.root.fill_(root)
+
+    @contextlib.contextmanager
+    def preserved(self):
+        """Restore every buffer afterwards (a capture's warm-up runs the step for real)."""
+        saved = [t.clone() for t in self.buffers()]
+        try:
+            yield
+        finally:
+            for t, s in zip(self.buffers(), saved):
+                t.copy_(s)
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Fold the pending commit into the state now (end of decoding, or before AR)."""
+        from specla.verify import commit_layer
+
+        for l in range(self.pk.shape[0]):
+            commit_layer(self.cache.recurrent[l], self.pk[l], self.pd[l], self.pg[l])
+        self.pk.zero_(), self.pd.zero_(), self.pg.zero_()
+
+    @torch.no_grad()
+    def folded_copy(self) -> StaticState:
+        """A copy of the state with the pending commit folded in (the live state untouched)."""
+        from specla.verify import commit_layer
+
+        copy = self.cache.clone()
+        for l in range(self.pk.shape[0]):
+            commit_layer(copy.recurrent[l], self.pk[l], self.pd[l], self.pg[l])
+        return copy
+
+    def output(self) -> list[int]:
+        return self.out[:int(self.pos.item())].tolist()
+
+
+def greedy_accept(topo: SpecTopology, tokens: torch.Tensor, logits: torch.Tensor):
+    """`specla.accept.accept_greedy`'s walk as tensor ops: no host sync, no data-dependent shape.
+
+    tokens [N] (-1 = dummy), logits [N, V]. Returns a [1] accepted drafts, end [1] the last
+    accepted node, path [P] its root-to-node path (padded), valid [P] path mask, bonus [1].
+    """
+    choice = logits.argmax(-1)                                                  # [N]
+    match = (tokens == choice.index_select(0, topo.parent)) | topo.is_root
+    # the walk takes the first matching child; a later duplicate sibling never counts
+    first = match & ((topo.earlier_sibling @ match.float()) == 0)
+    good = (topo.anc_or_self @ (~first).float()) == 0                           # on the walk
+    end = (good.float() * (topo.depth + 1).float()).argmax().view(1)            # its deepest node
+    a = topo.depth.index_select(0, end)
+    path = topo.path_table.index_select(0, end)[0]
+    return a, end, path, topo.arange_p <= a, choice.index_select(0, end)
+
+
+def torch_tree_verify(q, k, v, g, beta, S0, topo: SpecTopology, pending=None):
+    """Graph-safe torch fallback of the verifier (the tree-masked UT form of
+    `kernels.reference.tree_verify_ref` with the masks precomputed on the device)."""
+    if pending is not None:
+        pk, pd, pg = pending
+        for t in range(pk.shape[1]):                      # serial, as commit_ref folds
+            S0.mul_(pg[:, t].exp()[..., None, None])
+            S0.add_(pk[:, t][..., :, None] * pd[:, t][..., None, :])
+    anc, anc_or_self = topo.anc.bool(), topo.anc_or_self.bool()
+    G = torch.einsum("ij,bjh->bhi", topo.anc_or_self, g.float())          # [B,H,N] path decay
+    diff = G[..., :, None] - G[..., None, :]
+    decay = torch.where(anc_or_self, diff, torch.full_like(diff, float("-inf"))).exp()
+    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
+    bh = beta.transpose(1, 2)[..., None]
+    A = bh * decay * (kh @ kh.transpose(-1, -2)) * anc
+    rhs = bh * (vh - G.exp()[..., None] * (kh @ S0))
+    eye = torch.eye(q.shape[1], dtype=A.dtype, device=A.device)
+    u = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+    o = G.exp()[..., None] * (qh @ S0) + (decay * (qh @ kh.transpose(-1, -2))) @ u
+    return o.transpose(1, 2), u.transpose(1, 2)
+
+
+class GraphedSpec:
+    """One speculative step for one draft topology, captured as CUDA graphs.
+
+    Phases (each also captured alone, so their GPU time can be measured with events between
+    replays): `verify` (tree forward; folds the pending commit), `accept` (greedy acceptance,
+    commit or defer, conv window, bookkeeping), `draft` (the device oracle, or a device-resident
+    `drafter` such as `specla.graphs.drafters.DeviceChainDrafter`, if any). `step()` replays all
+    three as one graph.
+
+    A `drafter` is any object with `draft(spec)`, which reads this step's `result` and
+    `features` and writes the next step's `tokens[0, 1:]` with tensor ops only; its static
+    buffers (`buffers()`, if it has that method) are restored after each capture's warm-up.
+    """
+
+    @torch.no_grad()
+    def __init__(self, rt: PackedTarget, state: SpecState, tree: DraftTree, mode: str = "auto",
+                 deferred: bool = True, oracle: DeviceOracle | None = None,
+                 feature_layers: tuple[int, ...] = (), use_graph: bool | None = None,
+                 recurrence: str = "kernels", split_graphs: bool = False, dynamic: bool = False,
+                 drafter=None):
+        from specla.verify import resolve_mode
+
+        if oracle is not None and drafter is not None:
+            raise ValueError("a speculative step drafts with the device oracle or a device drafter, not both")
+        self.rt, self.state, self.oracle, self.drafter = rt, state, oracle, drafter
+        self.deferred, self.feature_layers, self.recurrence = deferred, tuple(feature_layers), recurrence
+        self.topo = SpecTopology(tree, rt.config.conv_size, state.max_path, rt.device)
+        self.mode = resolve_mode(mode, self.topo.model_topo, rt.device.type)
+        # A graph that serves every tree of its size must not bake in a host-built schedule:
+        # only the tree kernels read the topology from the device.
+        self.dynamic = dynamic and not tree.is_chain
+        if self.dynamic:
+            self.mode = "tree"
+        n, dev, c = len(tree), rt.device, rt.config
+        self.tokens = torch.tensor([tree.tokens], dtype=torch.long, device=dev)
+        self.factors = rt.new_factors(n)
+        self.logits = torch.zeros(n, c.vocab_size, device=dev)
+        self.last_hidden = torch.zeros(n, c.hidden_size, device=dev, dtype=rt.dtype)
+        self.features = (torch.zeros(n, len(self.feature_layers), c.hidden_size, device=dev, dtype=rt.dtype)
+                         if self.feature_layers else None)
+        self.result = torch.zeros(3 + state.max_path, dtype=torch.long, device=dev)  # a, end, bonus, path
+        self.use_graph = dev.type == "cuda" if use_graph is None else use_graph
+        self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        self.capture_ms = 0.0
+        if self.use_graph:
+            self._capture("step")
+            if split_graphs:
+                drafts = oracle is not None or drafter is not None
+                for phase in ("verify", "accept") + (("draft",) if drafts else ()):
+                    self._capture(phase)
+
+    # ---- phases
+    def _verify_layer(self, l, q, k, v, g, beta, S):
+        from specla.verify import verify_layer
+
+        st = self.state
+        pending = (st.pk[l], st.pd[l], st.pg[l]) if self.deferred else None
+        if self.recurrence == "torch":
+            return torch_tree_verify(q, k, v, g, beta, S, self.topo, pending)
+        return verify_layer(self.mode, q, k, v, g, beta, S, self.topo.model_topo, pending=pending)
+
+    def verify(self) -> None:
+        self.tokens[0, :1].copy_(self.state.root)
+        logits, hidden, feats = self.rt.tree_forward(self.tokens, self.state.cache, self.topo.conv_index,
+                                                     self._verify_layer, self.factors, self.feature_layers)
+        self.logits.copy_(logits)
+        self.last_hidden.copy_(hidden)
+        if feats is not None:
+            self.features.copy_(feats)
+
+    def accept(self) -> None:
+        """Greedy acceptance on the device, then the commit (now or deferred) and bookkeeping."""
+        tok = self.tokens[0]
+        a, end, path, valid, bonus = greedy_accept(self.topo, tok, self.logits)
+        self._commit(path, valid)
+        self._conv_window(path, a)
+        self._bookkeep(tok, path, a, bonus, end)
+
+    def _commit(self, path, valid) -> None:
+        st, f = self.state, self.factors
+        k = torch.where(valid[None, None, :, None, None], f.k.index_select(2, path), 0.0)
+        d = torch.where(valid[None, None, :, None, None], f.delta.index_select(2, path), 0.0)
+        g = torch.where(valid[None, None, :, None], f.g.index_select(2, path), 0.0)
+        if self.deferred:
+            st.pk.copy_(k), st.pd.copy_(d), st.pg.copy_(g)
+            return
+        from specla.verify import commit_layer
+
+        for l in range(k.shape[0]):
+            commit_layer(st.cache.recurrent[l], k[l], d[l], g[l])
+
+    def _conv_window(self, path, a) -> None:
+        """New window = the last W-1 of [old window, conv inputs along the accepted path]."""
+        conv = self.state.cache.conv                                      # [L,1,C,W]
+        hist = conv.shape[-1] - 1
+        src = torch.cat([conv[..., 1:].transpose(-1, -2), self.factors.conv_in], dim=2)
+        j = a + 1 + torch.arange(hist, device=a.device)                   # seq positions
+        node = path.index_select(0, (j - hist).clamp(0, path.numel() - 1))
+        idx = torch.where(j < hist, j, hist + node)
+        conv[..., 1:].copy_(src.index_select(2, idx).transpose(-1, -2))
+
+    def _bookkeep(self, tok, path, a, bonus, end) -> None:
+        st, P = self.state, self.state.max_path
+        d = self.topo.arange_p
+        drafted = tok.index_select(0, path.index_select(0, (d + 1).clamp(max=P - 1)))
+        new = torch.where(d < a, drafted, bonus)
+        st.out.index_copy_(0, (st.pos + d).clamp(max=st.out.numel() - 1), new)
+        s = st.step.clamp(max=st.acc.numel() - 1)
+        st.acc.index_copy_(0, s, a)
+        div = torch.zeros_like(a)
+        if self.oracle is not None:
+            # did the target leave the oracle's continuation here (a bf16 near-tie, usually)?
+            expected = self.oracle.token_at(st.pos + a)
+            div = (bonus != expected).long()
+            row = self.logits.index_select(0, end)[0]
+            st.div.index_copy_(0, s, div)
+            st.gap.index_copy_(0, s, row.index_select(0, bonus) - row.index_select(0, expected))
+        st.pos.add_(a + 1)
+        st.root.copy_(bonus)
+        st.step.add_(1)
+        st.last.copy_(torch.cat([a, end, bonus, div, st.pos]))
+        self.result.copy_(torch.cat([a, end, bonus, path]))
+
+    def draft(self) -> None:
+        if self.drafter is not None:
+            self.drafter.draft(self)
+        elif self.oracle is not None:
+            self.oracle.draft(self.tokens, self.topo, self.state.pos, self.state.step)
+
+    def _body(self, phase: str) -> Callable[[], None]:
+        return {"verify": self.verify, "accept": self.accept, "draft": self.draft,
+                "step": lambda: (self.verify(), self.accept(), self.draft())}[phase]
+
+    def _capture(self, phase: str) -> None:
+        t0 = time.perf_counter()
+        # the warm-up runs the body for real: every static buffer it writes is put back
+        extra = [self.tokens] + list(getattr(self.drafter, "buffers", list)())
+        with self.state.preserved():
+            saved = [t.clone() for t in extra]
+            self.graphs[phase] = capture(self._body(phase))
+            for t, s in zip(extra, saved):
+                t.copy_(s)
+        self.capture_ms += 1e3 * (time.perf_counter() - t0)
+
+    # ---- running
+    def run(self, phase: str = "step") -> None:
+        graph = self.graphs.get(phase)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._body(phase)()
+
+    def step(self) -> None:
+        self.run("step")
+
+    @torch.no_grad()
+    def load_tree(self, tree: DraftTree) -> None:
+        """The next step's draft from a host drafter (already padded to this graph's size)."""
+        if self.dynamic:
+            self.topo.load(tree)
+        elif tree.parents != self.topo.tree.parents:
+            raise ValueError("this graph was captured for another topology")
+        self.set_draft(tree.tokens)
+
+    @torch.no_grad()
+    def set_draft(self, tokens: list[int]) -> None:
+        """Drafted tokens for the next step from a host drafter (node 0, the root, is set by
+        the graph from the previous bonus)."""
+        if len(tokens) != self.topo.n:
+            raise ValueError(f"{len(tokens)} tokens for a topology of {self.topo.n} nodes")
+        self.tokens[0, 1:].copy_(torch.tensor(tokens[1:], dtype=torch.long), non_blocking=True)
+
+
+@torch.no_grad()
+def phase_times(spec: GraphedSpec, steps: int) -> dict:
+    """Milliseconds per step of each phase (verify, accept_commit, draft) over `steps` steps
+    from the spec's current state: the phase graphs (`split_graphs=True`) replayed with CUDA
+    events between them, or host time eagerly."""
+    names = (("verify", "verify"), ("accept", "accept_commit"), ("draft", "draft"))
+    totals = {key: 0.0 for _, key in names}
+    cuda = spec.rt.device.type == "cuda"
+    marks = []
+    sync(spec.rt.device)
+    for _ in range(steps):
+        if cuda:
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(names) + 1)]
+            ev[0].record()
+            for i, (phase, _) in enumerate(names):
+                spec.run(phase)
+                ev[i + 1].record()
+            marks.append(ev)
+        else:
+            for phase, key in names:
+                t0 = time.perf_counter()
+                spec.run(phase)
+                totals[key] += 1e3 * (time.perf_counter() - t0)
+    sync(spec.rt.device)
+    for ev in marks:
+        for i, (_, key) in enumerate(names):
+            totals[key] += ev[i].elapsed_time(ev[i + 1])
+    return {key: value / max(steps, 1) for key, value in totals.items()}
