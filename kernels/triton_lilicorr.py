@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -356,6 +357,16 @@ def unsupported(head: nn.Module, slots: int, top_k: int) -> str | None:
     return None
 
 
+class HeadDraft(NamedTuple):
+    """What `FusedLiLiCorrHead.draft` returns (the reference's `Lattice` + the walk)."""
+    cand: torch.Tensor          # [N, S, k] each slot's top-k tokens, best first
+    cand_logp: torch.Tensor     # [N, S, k] their log-probs
+    start: torch.Tensor         # [N, k]
+    pair: torch.Tensor          # [N, S-1, k, k]
+    ranks: torch.Tensor         # [N, S] the greedy walk's pick at each slot
+    tokens: torch.Tensor        # [N, S] the walk's tokens
+
+
 class FusedLiLiCorrHead:
     """A `LiLiCorrHead`'s weights, packed once, and the fused forward in two launches:
     `_head_prologue_kernel` (top-k, the wide input projections, an L2 warm-up of the weights)
@@ -423,16 +434,16 @@ class FusedLiLiCorrHead:
             raise ValueError(f"expected a lattice [N, {S}, {k}], got {tuple(cand.shape)}")
         return self.body(cand, cand_logp, *self.inputs(slot_hidden, anchor)[2:])
 
-    def draft(self, logits: torch.Tensor, slot_hidden: torch.Tensor, anchor: torch.Tensor):
-        """Slot logits [N, S, V] -> (candidates, their log-probs, start, pair, ranks, tokens):
+    def draft(self, logits: torch.Tensor, slot_hidden: torch.Tensor, anchor: torch.Tensor) -> HeadDraft:
+        """Slot logits [N, S, V] -> the lattice, its scores and the greedy walk:
         `specla.drafters.lilicorr.lattice` + `greedy_walk` in two launches."""
         if logits.shape[1] != self.slots:
             raise ValueError(f"expected logits [N, {self.slots}, V], got {tuple(logits.shape)}")
         if logits.shape[-1] > MAX_TOPK_VOCAB:
             cand, cand_logp = lattice_topk(logits, self.top_k)
-            return (cand, cand_logp, *self(cand, cand_logp, slot_hidden, anchor))
+            return HeadDraft(cand, cand_logp, *self(cand, cand_logp, slot_hidden, anchor))
         cand, cand_logp, hid_x, anc_x = self.inputs(slot_hidden, anchor, logits)
-        return (cand, cand_logp, *self.body(cand, cand_logp, hid_x, anc_x))
+        return HeadDraft(cand, cand_logp, *self.body(cand, cand_logp, hid_x, anc_x))
 
     def inputs(self, slot_hidden: torch.Tensor, anchor: torch.Tensor, logits: torch.Tensor | None = None):
         """The first launch -> (candidates and log-probs [N, S, k], or None without logits;

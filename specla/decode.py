@@ -2,9 +2,9 @@
 
 `speculative_steps` is a generator of step records, so the explorer can stream a run and a
 CLI can simply drain it. `ar_generate` is the baseline: the same runtime with a one-token
-step (a one-node "tree"), so a speedup compares like with like. On CUDA, `specla.cuda_graphs`
-replaces both loops with captured graphs; this module is the eager (CPU) path and the
-semantic reference for the graphed one.
+step (a one-node "tree"), so a speedup compares like with like. This is the engine's eager
+backend (`specla.engine`): the CPU path, and the reference the CUDA-graph backend
+(`specla.graphs`) is tested against.
 """
 from __future__ import annotations
 
@@ -53,6 +53,8 @@ class StepRecord:
     times_ms: dict
     details: dict
     new_tokens: list[int]        # accepted drafts + bonus, cut at max_new_tokens / eos
+    elapsed_ms: float = 0.0      # the time the step took (the engine fills it)
+    backend: str = "eager"       # eager | graphed
 
 
 def _sync(device: torch.device) -> None:
@@ -115,21 +117,22 @@ def prefill(target: GDNForCausalLM, tokens: list[int], feature_layers: tuple[int
     return state, features, hidden
 
 
-def _step_commit_info(target: GDNForCausalLM, out_factors, tree: DraftTree, path: list[int],
-                      pending_before: int, deferred: bool) -> dict:
-    c = target.config
-    per_token_layer = out_factors.nbytes_per_token_layer()
+def commit_info(config, dtype: torch.dtype, nodes: int, path_len: int, pending_before: int,
+                deferred: bool) -> dict:
+    """What a step's commit wrote: tokens folded now or in the next verification, bytes of
+    factors (k, delta, g fp32 per head, the conv inputs) against dense per-node snapshots."""
+    c = config
+    per_token_layer = 4 * c.num_heads * (c.head_dim + c.head_v_dim + 1) + c.conv_channels * dtype.itemsize
     dense_per_node = c.state_bytes() // c.num_hidden_layers + c.conv_channels * (c.conv_size - 1) * 4
-    n_acc = len(path)
     return {
         "deferred": deferred,
-        "accepted_tokens": n_acc,
-        "folded_now": 0 if deferred else pending_before + n_acc,
+        "accepted_tokens": path_len,
+        "folded_now": 0 if deferred else pending_before + path_len,
         "folded_in_verify": pending_before,
-        "pending_after": n_acc if deferred else 0,
-        "factor_bytes": n_acc * per_token_layer * c.num_hidden_layers,
-        "factor_bytes_all_nodes": len(tree) * per_token_layer * c.num_hidden_layers,
-        "dense_snapshot_bytes": len(tree) * dense_per_node * c.num_hidden_layers,
+        "pending_after": path_len if deferred else 0,
+        "factor_bytes": path_len * per_token_layer * c.num_hidden_layers,
+        "factor_bytes_all_nodes": nodes * per_token_layer * c.num_hidden_layers,
+        "dense_snapshot_bytes": nodes * dense_per_node * c.num_hidden_layers,
         "layers": c.num_hidden_layers,
     }
 
@@ -187,7 +190,8 @@ def speculative_steps(target: GDNForCausalLM, drafter: Drafter, prompt: list[int
             index=index, tree=tree, acceptance=acc, mode=mode,
             draft_probs=_draft_probs(tree),
             target_probs=_target_probs(tree, logits, settings),
-            commit=_step_commit_info(target, out.factors, tree, acc.path, pending_before, settings.deferred),
+            commit=commit_info(target.config, out.factors.conv_in.dtype, len(tree), len(acc.path),
+                               pending_before, settings.deferred),
             times_ms=timer.times, details=draft.details, new_tokens=new_tokens)
         produced += len(new_tokens)
         index += 1

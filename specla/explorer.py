@@ -172,8 +172,14 @@ class Explorer:
         runner.normalize_settings(self.runtime, settings)          # fail fast, before the queue work
         yield (f"Measuring the AR baseline on {self.hardware}, then decoding…",) + (gr.skip(),) * (N_VIEWS - 1)
         trace = None
-        for trace in self.run_fn(prompt, settings):
-            yield self.views(trace, len(trace["steps"]) - 1, None, self._status(trace, settings, False))
+        for update in self.run_fn(prompt, settings):
+            if update is None:          # a step with nothing new to draw: Stop may cancel here
+                yield (gr.skip(),) * N_VIEWS
+            elif isinstance(update, str):
+                yield (update,) + (gr.skip(),) * (N_VIEWS - 1)
+            else:
+                trace = update
+                yield self.views(trace, len(trace["steps"]) - 1, None, self._status(trace, settings, False))
         if trace is not None:   # complete again, so an API client's last output has every view
             yield self.views(trace, len(trace["steps"]) - 1, None, self._status(trace, settings, True))
 
@@ -196,7 +202,11 @@ class Explorer:
         yield ("Step mode: decoding the whole run once in the background; each click then reveals one step…",) \
             + (gr.skip(),) * (N_VIEWS - 1)
         full = None
-        for full in self.run_fn(prompt, settings):
+        for update in self.run_fn(prompt, settings):
+            if not isinstance(update, dict):
+                yield (gr.skip(),) * N_VIEWS
+                continue
+            full = update
             n = (full.get("summary") or {}).get("new_tokens", 0)
             yield (f"Step mode: decoding in the background ({n}/{settings['max_new_tokens']} tokens)…",) \
                 + (gr.skip(),) * (N_VIEWS - 1)

@@ -25,9 +25,10 @@ from typing import Any, Callable, Iterator
 import torch
 
 from specla import trace as tr
-from specla.decode import MAX_NEW_TOKENS, DecodeSettings, ar_generate, check_prompt, speculative_steps
+from specla.decode import MAX_NEW_TOKENS, DecodeSettings, check_prompt
 from specla.drafters.base import Draft, DraftContext, DraftSettings
 from specla.drafters.oracle import OracleDrafter
+from specla.engine import Engine
 from specla.figures import visible
 from specla.tree import MAX_TREE_NODES, DraftTree, TreeError
 
@@ -36,7 +37,6 @@ DRAFTER_KINDS = ("block", "lilicorr", "eagle")
 ORACLE = "oracle"
 MAX_PROMPT_CHARS = 20_000
 MAX_PROMPT_TOKENS = 2048
-UPDATES_PER_RUN = 15          # streamed partial traces per run (plus the first and the last)
 
 DEFAULTS: dict[str, Any] = {
     "drafter": None, "tree": "chain", "top_k": 4, "budget": 8, "block_size": 8, "depth": 6,
@@ -74,6 +74,7 @@ class Runtime:
     note: str = ""
     eos_token_id: int | None = None
     fingerprint: str = ""
+    engine: Engine | None = None      # default: Engine(target), graphed on CUDA
 
     def __post_init__(self) -> None:
         if not self.drafters:
@@ -82,6 +83,8 @@ class Runtime:
             self.fingerprint = model_fingerprint(self.target)
         for name in self.drafters:
             self.labels.setdefault(name, "oracle (measurement)" if name == ORACLE else name)
+        if self.engine is None:
+            self.engine = Engine(self.target)
 
     @property
     def device(self) -> torch.device:
@@ -101,9 +104,9 @@ class Runtime:
         return self.tokenizer.decode(list(ids))
 
     def model_info(self) -> dict:
-        # both AR and speculation run the eager decode loops of specla.decode (no CUDA graphs)
+        graphed = self.engine.backend == "graphed"
         return {"name": self.model_name, "device": self.device.type, "hardware": hardware_name(self.device),
-                "launch": "eager PyTorch",
+                "launch": "CUDA graphs" if graphed else "eager PyTorch", "backend": self.engine.backend,
                 "dtype": str(self.target.dtype).replace("torch.", ""), "fingerprint": self.fingerprint,
                 "config": dataclasses.asdict(self.target.config)}
 
@@ -397,52 +400,125 @@ def _drafter_for_run(runtime: Runtime, s: dict, prompt_tokens: list[int], ar_tok
     return PresetShape(drafter, s["paths"]) if s["paths"] else drafter
 
 
-def run(runtime: Runtime, prompt: str, settings: dict | None = None) -> Iterator[dict]:
-    """Measure AR, then decode speculatively; yield partial traces, the last one complete.
+def run(runtime: Runtime, prompt: str, settings: dict | None = None) -> Iterator[dict | str | None]:
+    """Measure AR, then decode speculatively through the engine; yield what the page shows.
 
-    Each phase is warmed up first (a few tokens). The speculative time counts the time
-    spent producing each step (prefill excluded, as for AR), not the time the consumer
-    spends between yields.
+    Yields a status line (str) while measuring or capturing, `None` after each decoded step
+    with nothing new to draw (so a consumer can stop between any two steps), and traces: a
+    partial one now and then, the complete one last. Every trace is a snapshot: nothing in
+    it changes after it is yielded.
+
+    The speedup compares two measurements of this run on this machine: AR and speculation
+    through the same engine backend, warmed up. Graphed (CUDA): AR is the median of 3 runs
+    of the graphed AR step, speculation the sum of the steps' CUDA-event times. Eager (CPU):
+    AR and speculation alternate three times and the fastest of each counts (a shared CPU
+    moves single runs by 20%); the trace keeps every pair's speedup as the spread.
     """
     s = normalize_settings(runtime, settings)
     prompt = clean_prompt(prompt)
     tokens = encode_prompt(runtime, prompt)
-    target, eos = runtime.target, runtime.eos_token_id
-    warm = min(4, s["max_new_tokens"])
-    ar_generate(target, tokens, _decode_settings(s, runtime, warm), eos)
-    ar = ar_generate(target, tokens, _decode_settings(s, runtime), eos)
-    baseline = {"kind": "ar", "tokens_per_s": round(len(ar.tokens) / ar.seconds, 3) if ar.seconds > 0 else 0.0,
-                "seconds": round(ar.seconds, 4), "tokens": len(ar.tokens)}
+    engine, eos = runtime.engine, runtime.eos_token_id
+    graphed = engine.backend == "graphed"
+    decode = _decode_settings(s, runtime)
+    yield (f"Measuring the AR baseline ({'CUDA graphs, median of 3 runs' if graphed else 'eager PyTorch'}) "
+           f"on {hardware_name(runtime.device)}…")
+    engine.ar(tokens, _decode_settings(s, runtime, min(4, s["max_new_tokens"])), eos)   # warm
+    ar = engine.ar(tokens, decode, eos, repeats=3 if graphed else 1)
     drafter = _drafter_for_run(runtime, s, tokens, ar.tokens)
-    for _ in speculative_steps(target, drafter, tokens, _decode_settings(s, runtime, warm), _draft_settings(s), eos):
-        pass
-    model = runtime.model_info()
-    record = settings_record(s)
+    plan = engine.plan(drafter, decode, _draft_settings(s))
+    if graphed:
+        yield "Capturing the CUDA graphs for these settings (once per settings; not timed)…"
+    capture_ms = _warm_speculation(engine, drafter, tokens, s, runtime, eos)
+    model, record = runtime.model_info(), settings_record(s)
+    engine_info = {"backend": plan.backend, "drafting": plan.drafting, "acceptance": plan.acceptance,
+                   "note": plan.note, "ops": engine.ops_note, "dtype": model["dtype"],
+                   "graphs": _graph_count(engine, drafter, decode, s), "capture_ms": round(capture_ms, 1)}
 
-    def make(steps: list[dict], seconds: float) -> dict:
-        return tr.build_trace(model=model, settings=record, prompt=prompt, prompt_tokens=tokens,
-                              steps=steps, decode=runtime.decode, seconds=seconds, baseline=baseline)
+    def make(steps: list[dict], seconds: float, baseline: dict, **extra) -> dict:
+        trace = tr.build_trace(model=model, settings=record, prompt=prompt, prompt_tokens=tokens, steps=steps,
+                               decode=runtime.decode, seconds=seconds, baseline=baseline)
+        trace["engine"] = engine_info
+        trace.update(extra)
+        return trace
 
+    baseline = _baseline(ar.ms_per_token, len(ar.tokens), ar.runs_ms_per_token)
     steps: list[dict] = []
-    seconds, produced = 0.0, 0
-    every = max(1, math.ceil(s["max_new_tokens"] / UPDATES_PER_RUN))
-    next_update = every
-    yield make(steps, seconds)
-    gen = speculative_steps(target, drafter, tokens, _decode_settings(s, runtime), _draft_settings(s), eos)
-    while True:
-        start = time.perf_counter()
-        rec = next(gen, None)
-        elapsed = time.perf_counter() - start
-        if rec is None:
-            break
-        # the first call also prefills: count only its measured phases
-        seconds += elapsed if steps else sum(rec.times_ms.values()) / 1e3
+    seconds, last_yield = 0.0, time.perf_counter()
+    yield make([], 0.0, baseline)
+    for rec in engine.speculate(tokens, drafter, decode, _draft_settings(s), eos):
         steps.append(tr.step_to_dict(rec))
-        produced += len(rec.new_tokens)
-        if produced >= next_update and produced < s["max_new_tokens"]:
-            next_update = produced + every
-            yield make(steps, seconds)
-    yield make(steps, seconds)
+        seconds += rec.elapsed_ms / 1e3
+        now = time.perf_counter()
+        if now - last_yield >= UPDATE_SECONDS:
+            last_yield = now
+            yield make(list(steps), seconds, baseline)
+        else:
+            yield None
+    extra: dict[str, Any] = {}
+    if not graphed:
+        seconds, baseline, extra["timing"] = yield from _alternate(engine, drafter, tokens, s, runtime, eos,
+                                                                   ar, seconds, steps)
+    spec_tokens = tr.output_tokens(steps)[0]
+    extra["exactness"] = _exactness(engine, tokens, ar.tokens, spec_tokens, s)
+    yield make(steps, seconds, baseline, **extra)
+
+
+UPDATE_SECONDS = 0.25         # at most this often a partial trace is drawn while decoding
+
+
+def _baseline(ms_per_token: float, tokens: int, runs: list[float]) -> dict:
+    return {"kind": "ar", "tokens_per_s": round(1e3 / ms_per_token, 3) if ms_per_token > 0 else 0.0,
+            "seconds": round(ms_per_token * tokens / 1e3, 4), "tokens": tokens,
+            "ms_per_token_runs": [round(x, 5) for x in runs]}
+
+
+def _warm_speculation(engine, drafter, tokens, s, runtime, eos) -> float:
+    """Build (graphed: capture and compile) and warm the speculative decode for these settings,
+    on a short decode. Returns the milliseconds that took (never part of a speedup)."""
+    start = time.perf_counter()
+    short = _decode_settings(s, runtime, min(4, s["max_new_tokens"]))
+    for _ in engine.speculate(tokens, drafter, short, _draft_settings(s), eos):
+        pass
+    return 1e3 * (time.perf_counter() - start)
+
+
+def _graph_count(engine, drafter, decode, s) -> int:
+    if engine.backend != "graphed":
+        return 0
+    return engine.decoder(drafter, decode, _draft_settings(s)).graphs
+
+
+def _alternate(engine, drafter, tokens, s, runtime, eos, ar, seconds, steps):
+    """Two more AR / speculation pairs after the streamed one (eager backend): the fastest run
+    of each counts, and every pair's speedup is kept as the spread."""
+    decode = _decode_settings(s, runtime)
+    produced = sum(len(st["new_tokens"]) for st in steps) or 1
+    ar_ms, spec_ms = [ar.ms_per_token], [1e3 * seconds / produced]
+    for _ in range(2):
+        yield "Repeating AR and speculation (fastest of 3 alternating runs counts)…"
+        ar_ms.append(engine.ar(tokens, decode, eos).ms_per_token)
+        took = 0.0
+        for rec in engine.speculate(tokens, drafter, decode, _draft_settings(s), eos):
+            took += rec.elapsed_ms
+            yield None
+        spec_ms.append(took / produced)
+    pairs = [a / b for a, b in zip(ar_ms, spec_ms) if b > 0]
+    timing = {"method": "3 alternating AR / speculation runs, fastest of each",
+              "ar_ms_per_token": [round(x, 4) for x in ar_ms], "spec_ms_per_token": [round(x, 4) for x in spec_ms],
+              "speedup_spread": [round(min(pairs), 4), round(max(pairs), 4)] if pairs else None}
+    return min(spec_ms) * produced / 1e3, _baseline(min(ar_ms), len(ar.tokens), ar_ms), timing
+
+
+def _exactness(engine, prompt: list[int], ar_tokens: list[int], spec_tokens: list[int], s: dict) -> dict:
+    """Whether the output equals AR's (greedy), and where and by what logit gap it leaves it."""
+    if s["temperature"] > 0:
+        return {"checked": False, "why": "sampling: the output follows the target's distribution, not AR's draw"}
+    n = min(len(ar_tokens), len(spec_tokens))
+    first = next((i for i in range(n) if ar_tokens[i] != spec_tokens[i]), None)
+    out = {"checked": True, "equal": first is None, "compared_tokens": n, "dtype": str(engine.dtype).replace("torch.", "")}
+    if first is not None:
+        out["first_divergence"] = engine.divergence(prompt, spec_tokens, first, ar_tokens[first])
+    return out
 
 
 def reveal(trace: dict, n_steps: int) -> dict:

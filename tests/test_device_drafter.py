@@ -1,9 +1,9 @@
-"""The device-resident chain drafter equals the host block / LiLiCorr drafter, and decoding
-with it inside the speculative step equals AR greedy.
+"""The device-resident drafter equals the host block / LiLiCorr drafter, and decoding with it
+inside the speculative step equals AR greedy.
 
 On the CPU every body runs eagerly (`use_graph=False`); the `gpu` cases capture the graphs
-(draft + verify + accept as one) and check them against GraphedAR and the eager path, also
-with the trained embedded pair in bf16 (skipped where the assets are absent).
+and check them against GraphedAR and the eager path, also with the trained embedded pair in
+bf16 (skipped where the assets are absent).
 """
 from __future__ import annotations
 
@@ -14,20 +14,23 @@ from pathlib import Path
 import pytest
 import torch
 
+from specla.bench.measure import spec_vs_ar_noise
 from specla.decode import DecodeSettings, ar_generate
-from specla.graphs.drafters import DeviceChainDrafter, DeviceDraftDecoder
 from specla.drafters import new_drafter
 from specla.drafters.base import Accepted, DraftContext, DraftSettings
-from tests.helpers import random_target
-from specla.bench.measure import spec_vs_ar_noise
+from specla.engine import Engine
 from specla.graphs.ar import GraphedAR
+from specla.graphs.decoders import GraphedDecoder
+from specla.graphs.drafters import DeviceBlockDrafter
 from specla.graphs.runtime import PackedTarget
 from specla.graphs.spec import GraphedSpec, SpecState
 from specla.model import random_gdn
+from tests.helpers import random_target
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: graphs are captured only there")
 DEVICES = ["cpu", pytest.param("cuda", marks=[needs_cuda, pytest.mark.gpu])]
+
 KINDS = ("block", "lilicorr")
 LAYERS = (0, 1)
 WINDOW = 8            # small, so a few steps fill it and wrap it
@@ -97,7 +100,7 @@ def test_masked_right_aligned_window_equals_the_host_context(kind, rows):
     prompt = prompt_of(rows + 1)
     _, feats, hidden = rt.prefill(prompt, LAYERS)
     drafter.reset(prompt, feats, hidden)
-    dev = DeviceChainDrafter(drafter, top_k=4)
+    dev = DeviceBlockDrafter(drafter, chain_settings())
     dev.reset(feats if rows else None)
     n = min(rows, WINDOW)
     assert int(dev.valid.sum()) == n and bool(dev.valid[WINDOW - n:].all())
@@ -119,19 +122,20 @@ def test_masked_right_aligned_window_equals_the_host_context(kind, rows):
 
 def test_device_drafter_refuses_what_it_cannot_draft():
     _, drafter = pair("lilicorr")
-    for bad in (dict(tree="best-first"), dict(temperature=0.5), dict(prune_tau=1.0)):
-        with pytest.raises(ValueError, match="greedy chains"):
-            DeviceChainDrafter.from_settings(drafter, DraftSettings(block_size=BLOCK, **bad))
+    with pytest.raises(ValueError, match="greedily"):
+        DeviceBlockDrafter(drafter, DraftSettings(block_size=BLOCK, temperature=0.5))
     with pytest.raises(ValueError, match="at most 4 candidates"):
-        DeviceChainDrafter(drafter, top_k=5)
+        DeviceBlockDrafter(drafter, DraftSettings(block_size=BLOCK, top_k=5))
     with pytest.raises(ValueError, match="block size"):
-        DeviceChainDrafter(drafter, block_size=BLOCK + 1)
-    short = DeviceChainDrafter.from_settings(drafter, DraftSettings(block_size=BLOCK, top_k=1, budget=3))
-    assert short.kind == "block" and short.length == 3 and short.tree().tokens == [0] * 4
+        DeviceBlockDrafter(drafter, DraftSettings(block_size=BLOCK + 1))
+    short = DeviceBlockDrafter(drafter, DraftSettings(block_size=BLOCK, tree="chain", budget=3))
+    assert short.kind == "lilicorr" and short.template().tokens == [0] * 4 and not short.dynamic
+    tree = DeviceBlockDrafter(drafter, DraftSettings(block_size=BLOCK, tree="best-first", budget=9))
+    assert tree.dynamic and len(tree.template()) == 10 and tree.max_depth == BLOCK - 1
     # the fused head is a CUDA kernel: asked for on the CPU it says so, by default it is off
     with pytest.raises(ValueError, match="fused LiLiCorr head cannot run here: it needs a CUDA"):
-        DeviceChainDrafter(drafter, top_k=4, fused_head=True)
-    assert DeviceChainDrafter(drafter, top_k=4).fused_head is None
+        DeviceBlockDrafter(drafter, chain_settings(), fused_head=True)
+    assert DeviceBlockDrafter(drafter, chain_settings()).fused_head is None
 
 
 # --------------------------------------------------------------------------- step by step
@@ -147,18 +151,20 @@ def test_device_chains_equal_host_proposals_step_by_step(kind, device):
     target, host = pair(kind, device)
     rt = PackedTarget(target)
     settings = chain_settings()
-    dev = DeviceChainDrafter.from_settings(host, settings)
-    S = dev.length
+    dev = DeviceBlockDrafter(host, settings)
+    S = dev.nodes - 1
     state = SpecState(rt, max_path=S + 1, capacity=256)
-    spec = GraphedSpec(rt, state, dev.tree(), feature_layers=LAYERS, drafter=dev,
-                          use_graph=device == "cuda")
+    dev.bind(state.log)
+    spec = GraphedSpec(rt, state, dev.template(), feature_layers=LAYERS, drafter=dev,
+                       use_graph=device == "cuda")
     prompt = prompt_of(4)                          # 3 context rows: the window starts part-filled
     state0, feats, hidden = rt.prefill(prompt, LAYERS)
     ar = GraphedAR(rt, max_len=200, use_graph=False)    # the truth from the same state and ops
     ar.reset(state0, prompt[-1])
     truth = ar.decode(200)
     state.reset(state0, prompt[-1])
-    dev.reset(feats, spec)                         # first chain, drafted eagerly
+    dev.reset(feats)
+    dev.propose(spec)                              # first chain, drafted eagerly
     host.reset(prompt, feats, hidden)
     rng = random.Random(5)
     root, pos, lengths, near_ties = prompt[-1], 0, [], 0
@@ -195,23 +201,30 @@ def test_device_chains_equal_host_proposals_step_by_step(kind, device):
 
 # --------------------------------------------------------------------------- decoding
 
+def decode(dec: GraphedDecoder, prompt, n, prefilled=None):
+    """(tokens, accepted lengths, steps) of a decode of at least n tokens."""
+    steps = list(dec.steps(prompt, n, prefilled))
+    tokens = [t for st in steps for t in [st.tree.tokens[i] for i in st.outcome.path[1:]] + [st.outcome.bonus]]
+    return tokens, [st.outcome.accepted for st in steps], steps
+
+
+@pytest.mark.parametrize("shape", ["chain", "beam", "best-first"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_device_draft_decoder_equals_ar_greedy(kind):
+def test_device_draft_decoder_equals_ar_greedy(kind, shape):
     target, drafter = pair(kind, vocab=16, seed=2)   # a small vocabulary: some drafts accepted
     rt = PackedTarget(target)
-    n = 48
-    dec = DeviceDraftDecoder(rt, drafter, chain_settings(), capacity=n + BLOCK + 8, use_graph=False)
+    n = 40
+    settings = DraftSettings(tree=shape, block_size=BLOCK, top_k=3, budget=6 if shape == "chain" else 9)
+    dec = GraphedDecoder(rt, DeviceBlockDrafter(drafter, settings), settings, capacity=n + 16, use_graph=False)
     accepted_any = False
     for seed in range(3):
         prompt = prompt_of(6 + 5 * seed, vocab=16, seed=seed)
         ref = ar_generate(target, prompt, DecodeSettings(max_new_tokens=n)).tokens
-        run = dec.generate(prompt, n, reference=ref)
-        assert run.tokens[:n] == ref, f"prompt {seed}: device-drafted decoding left AR"
-        assert run.divergence is None
-        assert n <= len(run.tokens) < n + BLOCK     # stops at the first step reaching n
-        assert run.steps == len(run.accepted) and sum(a + 1 for a in run.accepted) == len(run.tokens)
-        assert dec.readbacks < run.steps or run.steps <= 2
-        accepted_any |= any(run.accepted)
+        tokens, accepted, steps = decode(dec, prompt, n)
+        assert tokens[:n] == ref, f"prompt {seed}: device-drafted decoding left AR"
+        assert n <= len(tokens) < n + BLOCK         # stops at the first step reaching n
+        assert all(set(st.times_ms) == {"draft", "verify", "accept"} for st in steps)
+        accepted_any |= any(accepted)
     assert accepted_any, "no draft token was ever accepted: the test exercises rejections only"
 
 
@@ -228,40 +241,43 @@ def test_compiled_block_draft_equals_the_uncompiled_one_on_cpu():
     ref = ar_generate(target, prompt, DecodeSettings(max_new_tokens=n)).tokens
     runs = {}
     for compiled in (False, True):
-        dec = DeviceDraftDecoder(rt, drafter, chain_settings(), capacity=n + BLOCK + 8, use_graph=False,
-                                 compile=compiled)
-        runs[compiled] = dec.generate(prompt, n, reference=ref)
-        assert runs[compiled].tokens[:n] == ref and runs[compiled].divergence is None
-    assert dec.drafter.compiled and any(runs[True].accepted)
-    assert runs[True].accepted == runs[False].accepted
+        dev = DeviceBlockDrafter(drafter, chain_settings(), compile=compiled)
+        dec = GraphedDecoder(rt, dev, chain_settings(), capacity=n + 16, use_graph=False)
+        tokens, accepted, _ = decode(dec, prompt, n)
+        assert tokens[:n] == ref
+        runs[compiled] = accepted
+    assert dev.compiled and any(runs[True])
+    assert runs[True] == runs[False]
 
 
 def test_divergence_is_located_and_measured():
-    """Against a reference that differs at one position, the run reports that position, the
-    target's token and its positive logit gap over the reference token."""
-    target, drafter = pair("block")
-    rt = PackedTarget(target)
+    """Where an output leaves AR's, the engine reports the position, both tokens and the
+    target's positive logit gap between AR's pick and the output's token there."""
+    target, _ = pair("block")
     n, prompt = 24, prompt_of(8)
     ref = ar_generate(target, prompt, DecodeSettings(max_new_tokens=n)).tokens
     bad = list(ref)
     bad[13] = (bad[13] + 1) % 128
-    dec = DeviceDraftDecoder(rt, drafter, chain_settings(), capacity=n + 16, use_graph=False)
-    run = dec.generate(prompt, n, reference=bad)
-    d = run.divergence
-    assert d["position"] == 13 and d["token"] == ref[13] and d["reference_token"] == bad[13]
-    assert d["gap"] > 0
+    for engine in (Engine(target, "eager"), Engine(target, "graphed", use_graph=False)):
+        d = engine.divergence(prompt, bad, 13, ref[13])
+        assert d["position"] == 13 and d["token"] == bad[13] and d["ar_token"] == ref[13]
+        assert d["logit_gap"] > 0 and d["top2_gap"] >= 0
 
 
 def test_phase_split_covers_the_three_phases():
     target, drafter = pair("lilicorr")
     rt = PackedTarget(target)
-    dec = DeviceDraftDecoder(rt, drafter, chain_settings(), capacity=40, use_graph=False)
+    settings = chain_settings()
+    dec = GraphedDecoder(rt, DeviceBlockDrafter(drafter, settings), settings, capacity=40, use_graph=False)
     prompt = prompt_of(8)
-    pre = rt.prefill(prompt, LAYERS)
-    run = dec.generate(prompt, 16, prefilled=pre)
-    split = dec.phase_split(prompt, pre, run.steps)
+    tokens, accepted, steps = decode(dec, prompt, 16)
+    assert all(v > 0 for st in steps for v in st.times_ms.values())
+    from specla.graphs.spec import phase_times
+    dec.start(prompt)
+    dec.drafter.propose(dec.spec)
+    split = phase_times(dec.spec, len(steps))
     assert set(split) == {"verify", "accept_commit", "draft"} and all(v > 0 for v in split.values())
-    assert dec.state.output() == run.tokens        # the phases replay the same trajectory
+    assert dec.state.output() == tokens             # the phases replay the same trajectory
 
 
 # --------------------------------------------------------------------------- CUDA graphs
@@ -270,37 +286,45 @@ def first_mismatch(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
+def gap_at(rt, prompt, tokens, i, want):
+    """AR's logit gap between its own token and the output's at position i (0 if equal)."""
+    ar = GraphedAR(rt, max_len=len(tokens) + 8)
+    row = ar.logits_along(rt.prefill(prompt)[0], prompt[-1], tokens[:i])[-1]
+    return float(row[want[i]] - row[tokens[i]])
+
+
 def graphed_and_eager(rt, drafter, settings, prompt, n, want, noise=0.0):
     """The same decode graphed and eager (both on the GPU), each against AR's tokens `want`:
     equal to them, or leaving them only at a near-tie (gap <= 3 x noise; fp32: noise 0, so
-    any divergence fails). Graph replays reproduce themselves. Returns both runs."""
+    any divergence fails). Graph replays reproduce themselves. Returns both (tokens, accepted)."""
     pre = rt.prefill(prompt, drafter.feature_layers)
     runs = {}
     for graphed in (True, False):
-        dec = DeviceDraftDecoder(rt, drafter, settings, capacity=n + 16, use_graph=graphed)
-        assert (dec.first_graph is not None and "step" in dec.spec.graphs) == graphed
-        run = dec.generate(prompt, n, reference=want[:n], prefilled=pre)
-        if run.divergence is not None:
-            assert run.divergence["gap"] <= 3 * noise + 1e-6, \
-                f"{'graphed' if graphed else 'eager'} run left AR beyond noise {noise:.4f}: {run.divergence}"
-        else:
-            assert run.tokens[:n] == want[:n]
+        dec = GraphedDecoder(rt, DeviceBlockDrafter(drafter, settings), settings, capacity=n + 16,
+                             use_graph=graphed)
+        assert (dec.first_graph is not None and set(dec.spec.graphs) == {"verify", "accept", "draft"}) == graphed
+        tokens, accepted, _ = decode(dec, prompt, n, pre)
+        i = first_mismatch(tokens, want[:n])
+        if i is not None:
+            gap = gap_at(rt, prompt, tokens, i, want)
+            assert gap <= 3 * noise + 1e-6, \
+                f"{'graphed' if graphed else 'eager'} run left AR at {i} beyond noise {noise:.4f}: gap {gap}"
         if graphed:
-            again = dec.generate(prompt, n, reference=want[:n], prefilled=pre)
-            assert again.tokens == run.tokens and again.accepted == run.accepted, "replays differ"
-        runs[graphed] = run
-    i = first_mismatch(runs[True].tokens, runs[False].tokens)
-    if i is not None:   # graph and eager may part only after an (excused) near-tie flip
-        for run in runs.values():
-            assert run.divergence is not None and run.divergence["position"] <= i, (i, run.divergence)
+            again = decode(dec, prompt, n, pre)
+            assert again[0] == tokens and again[1] == accepted, "replays differ"
+        runs[graphed] = (tokens, accepted, i)
+    j = first_mismatch(runs[True][0], runs[False][0])
+    if j is not None:   # graph and eager may part only after an (excused) near-tie flip
+        for tokens, _, i in runs.values():
+            assert i is not None and i <= j, (i, j)
     else:
-        assert runs[True].accepted == runs[False].accepted
+        assert runs[True][1] == runs[False][1]
     return runs[True], runs[False]
 
 
-def _small_cuda_pair(kind: str):
+def _small_cuda_pair(kind: str, shape: str = "chain"):
     """A random fp32 target at the GPU tests' small shape, a random drafter of `kind`, the
-    runtime, a GraphedAR, chain settings and a prompt."""
+    runtime, a GraphedAR, draft settings and a prompt."""
     from tests.test_gpu_runtime import SMALL
 
     target = random_gdn(SMALL, "cuda", torch.float32, seed=0)
@@ -311,21 +335,22 @@ def _small_cuda_pair(kind: str):
     drafter = new_drafter(kind, target, feature_layers=(0, 2), block_size=8, top_k=4, **kw)
     rt = PackedTarget(target)
     ar = GraphedAR(rt, max_len=128)
-    settings = DraftSettings(tree="chain", block_size=8, top_k=4, budget=7)
+    settings = DraftSettings(tree=shape, block_size=8, top_k=4, budget=7 if shape == "chain" else 12)
     return drafter, rt, ar, settings, prompt_of(40, SMALL.vocab_size)
 
 
 @needs_cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["chain", "best-first"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_graphed_device_drafter_fp32_equals_graphed_ar_and_eager(kind):
-    drafter, rt, ar, settings, prompt = _small_cuda_pair(kind)
+def test_graphed_device_drafter_fp32_equals_graphed_ar_and_eager(kind, shape):
+    drafter, rt, ar, settings, prompt = _small_cuda_pair(kind, shape)
     n = 64
     ar.reset(rt.prefill(prompt)[0], prompt[-1])
     want = ar.decode(n)
     graphed, eager = graphed_and_eager(rt, drafter, settings, prompt, n, want)
-    assert graphed.tokens[:n] == want and graphed.divergence is None
-    assert graphed.tokens == eager.tokens
+    assert graphed[0][:n] == want and graphed[2] is None
+    assert graphed[0] == eager[0]
 
 
 def _embedded_pair():
@@ -364,13 +389,13 @@ def test_trained_pair_bf16_graphed(kind):
         want = ar.decode(n + 16)
         noise = spec_vs_ar_noise(rt, ar, state0, prompt[-1], want)
         graphed, _ = graphed_and_eager(rt, drafter, settings, prompt, n, want, noise)
-        tokens, steps = tokens + len(graphed.tokens), steps + graphed.steps
+        tokens, steps = tokens + len(graphed[0]), steps + len(graphed[1])
     assert tokens / steps > 1.4, f"tau {tokens / steps:.2f}: the trained {kind} drafter barely drafts"
 
 
-def _decoders_agree(kind: str, option: str) -> DeviceDraftDecoder:
+def _decoders_agree(kind: str, option: str) -> DeviceBlockDrafter:
     """Decode with the device drafter, `option` off and on: both exactly AR (the target picks
-    every token) and, in fp32, the same accept lengths. Returns the decoder with it on."""
+    every token) and, in fp32, the same accept lengths. Returns the drafter with it on."""
     drafter, rt, ar, settings, prompt = _small_cuda_pair(kind)
     n = 64
     pre = rt.prefill(prompt, tuple(drafter.feature_layers))
@@ -378,11 +403,13 @@ def _decoders_agree(kind: str, option: str) -> DeviceDraftDecoder:
     want = ar.decode(n)
     runs = {}
     for on in (False, True):
-        dec = DeviceDraftDecoder(rt, drafter, settings, capacity=n + 16, **{option: on})
-        runs[on] = dec.generate(prompt, n, reference=want, prefilled=pre)
-        assert runs[on].tokens[:n] == want and runs[on].divergence is None, f"{option}={on} left AR"
-    assert runs[True].accepted == runs[False].accepted
-    return dec
+        dev = DeviceBlockDrafter(drafter, settings, **{option: on})
+        dec = GraphedDecoder(rt, dev, settings, capacity=n + 16)
+        tokens, accepted, _ = decode(dec, prompt, n, pre)
+        assert tokens[:n] == want, f"{option}={on} left AR"
+        runs[on] = accepted
+    assert runs[True] == runs[False]
+    return dev
 
 
 @needs_cuda
@@ -391,7 +418,7 @@ def _decoders_agree(kind: str, option: str) -> DeviceDraftDecoder:
 def test_compiled_device_drafter_graphed_equals_graphed_ar(kind):
     """torch.compile'd drafting captured in the step graph: the same chains as the
     uncompiled drafter up to fused-kernel rounding."""
-    assert _decoders_agree(kind, "compile").drafter.compiled
+    assert _decoders_agree(kind, "compile").compiled
 
 
 @needs_cuda
@@ -399,4 +426,4 @@ def test_compiled_device_drafter_graphed_equals_graphed_ar(kind):
 def test_fused_head_decoder_equals_torch_head():
     """The LiLiCorr head as Triton kernels inside the step graph: (fp32, tf32x3 products) the
     same chains as the torch head."""
-    assert _decoders_agree("lilicorr", "fused_head").drafter.fused_head is not None
+    assert _decoders_agree("lilicorr", "fused_head").fused_head is not None

@@ -26,7 +26,7 @@ from specla.drafters.base import Draft, DraftSettings
 from specla.tree import DraftTree
 from specla.bench.measure import FlaAR, build_fla_model, oracle_calibrate, oracle_timed, spec_vs_ar_noise
 from specla.graphs.ar import GraphedAR
-from specla.graphs.buckets import comb_tree, max_path_for
+from specla.graphs.buckets import comb_tree
 from specla.graphs.decoders import GraphedDecoder
 from specla.graphs.ops import FlaOps, check_ops
 from specla.graphs.oracle import DeviceOracle
@@ -61,7 +61,7 @@ def ar_tokens(ar, snap, root, n):
 
 def oracle_spec(rt, tree, cont, alpha, deferred=True, n=48):
     P = tree.depth + 1
-    state = SpecState(rt, max_path=P, capacity=n + 2 * P + 8)
+    state = SpecState(rt, max_path=P, capacity=n + 2 * P + 8, max_nodes=len(tree))
     oracle = DeviceOracle(cont, rt.config.vocab_size, alpha, max_steps=n + 2 * P + 9,
                              max_nodes=len(tree), capacity=n + 4 * P + 16, device=rt.device, seed=3)
     return GraphedSpec(rt, state, tree, deferred=deferred, oracle=oracle)
@@ -211,11 +211,19 @@ def test_host_drafter_with_padded_buckets_equals_ar(device):
     root, n = prompt[-1], 60
     cont = ar_tokens(ar, snap, root, n + 32)
     drafter = ScriptedDrafter(cont, SMALL.vocab_size)
-    dec = GraphedDecoder(rt, drafter, DraftSettings(), max_path=max_path_for(12), capacity=n + 32)
-    run = dec.generate(prompt, n, reference=cont, prefilled=(snap, None, None))
-    assert run.divergence is None, run.divergence
-    assert run.tokens[:n] == cont[:n] and -1 not in run.tokens
-    assert run.steps < n
+    dec = GraphedDecoder(rt, drafter, DraftSettings(budget=12), capacity=n + 32)
+    steps = list(dec.steps(prompt, n, prefilled=(snap, None, None)))
+    tokens = [t for st in steps for t in [st.tree.tokens[i] for i in st.outcome.path[1:]] + [st.outcome.bonus]]
+    assert tokens[:n] == cont[:n] and -1 not in tokens
+    assert len(steps) < n
+    # the step log matches the host's own view of each step: the tree it drafted, the target's
+    # argmax at every node, and a probability for every node's token
+    for st in steps:
+        assert len(st.choice) == len(st.target_prob) == len(st.tree)
+        assert all(0.0 <= p <= 1.0 for p in st.target_prob) and st.target_prob[0] == 1.0
+        assert [st.tree.tokens[i] for i in st.outcome.path[1:]] == \
+            [st.choice[st.tree.parents[i]] for i in st.outcome.path[1:]]
+        assert st.outcome.bonus == st.choice[st.outcome.end]
     assert len(dec.specs) <= 5, f"expected <= 3 chain + 2 tree buckets, got {list(dec.specs)}"
 
 

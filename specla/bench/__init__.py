@@ -468,7 +468,7 @@ def e2e_oracle_gpu(args, res: Results, deadline: Deadline) -> dict:
     print(f"[e2e] AR {t_ar:.3f} ms/token; spec-vs-AR logit noise {noise}", flush=True)
 
     def run_config(name, tree, alphas_here, deferred=True):
-        state = SpecState(rt, max_path=tree.depth + 1, capacity=capacity)
+        state = SpecState(rt, max_path=tree.depth + 1, capacity=capacity, max_nodes=len(tree))
         oracle = DeviceOracle(cont, config.vocab_size, 0.0, max_steps=capacity + 1,
                                  max_nodes=len(tree), capacity=capacity + 2 * max_path + 8,
                                  device=args.device, seed=args.seed)

@@ -29,6 +29,7 @@ with z the live target's logits.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -151,15 +152,20 @@ class LiLiCorrHead(nn.Module):
         return start, pair
 
 
-def lattice(parts: TargetParts, head: LiLiCorrHead, logits: torch.Tensor, h: torch.Tensor,
-            anchor: torch.Tensor, k: int):
-    """Candidates and scores from slot logits [N, S, V] and slot hiddens h [N, S, d].
+class Lattice(NamedTuple):
+    """The candidate lattice and the head's scores over it."""
+    cand: torch.Tensor          # [N, S, k] tokens, each slot's top-k, best first
+    cand_logp: torch.Tensor     # [N, S, k] their block-drafter log-probs
+    start: torch.Tensor         # [N, k] scores of slot 0's candidates
+    pair: torch.Tensor          # [N, S-1, k, k] scores of (slot s candidate i, slot s+1 candidate j)
 
-    Returns (cand [N,S,k] tokens, cand_logp [N,S,k], start [N,k], pair [N,S-1,k,k]).
-    """
+
+def lattice(parts: TargetParts, head: LiLiCorrHead, logits: torch.Tensor, h: torch.Tensor,
+            anchor: torch.Tensor, k: int) -> Lattice:
+    """Candidates and scores from slot logits [N, S, V] and slot hiddens h [N, S, d]."""
     cand, cand_logp = candidates(logits, k)
     start, pair = head(parts.embed(cand), cand_logp, h, anchor)
-    return cand, cand_logp, start, pair
+    return Lattice(cand, cand_logp, start, pair)
 
 
 def candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -56,3 +56,9 @@ def pad_chain(tree: DraftTree, buckets: tuple[int, ...] = CHAIN_BUCKETS) -> Draf
     drafted = len(tree) - 1
     size = next((b for b in buckets if b >= drafted), drafted)
     return DraftTree.chain(tree.tokens + [-1] * (size - drafted))
+
+
+def padded_nodes(drafted: int) -> int:
+    """Nodes (root included) of the largest padded draft of at most `drafted` drafted nodes."""
+    sizes = [next((x for x in buckets if x >= drafted), drafted) for buckets in (CHAIN_BUCKETS, TREE_BUCKETS)]
+    return 1 + max(sizes)

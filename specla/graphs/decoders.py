@@ -1,116 +1,269 @@
-"""Decode loops over the graphed step: a host drafter between replays (`GraphedDecoder`)."""
+"""Decoding over the graphed step: the loop behind the engine's CUDA-graph backend.
+
+`GraphedDecoder` decodes a prompt in one of three ways, and yields one `GraphedStep` per
+target forward either way:
+
+    device drafting   a `DeviceBlockDrafter` inside the step graphs: the host replays steps
+                      in batches, with a CUDA event after each phase, and reads the step log
+                      once per batch (no host work inside a batch)
+    host drafting     a host drafter runs eagerly between replays (drafters or settings with
+                      no device version); one graph per draft-size bucket (chains padded at
+                      their end, trees with dummy nodes off the root, the topology rewritten
+                      in place), all sharing one `SpecState`
+    host acceptance   sampling (temperature > 0): the host draws the lossless rejection
+                      sample from the verified logits between the verify and accept graphs
+
+Every body also runs eagerly (`use_graph=False`, the CPU), so the tests check the logic there.
+"""
 from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Iterator
 
 import torch
 
-from specla.graphs.buckets import bucket
-from specla.graphs.runtime import PackedTarget, sync
-from specla.graphs.spec import GraphedSpec, SpecState
+from specla.accept import accept_sampling
+from specla.drafters.base import Accepted, DraftContext, DraftSettings
+from specla.graphs.buckets import bucket, max_path_for, padded_nodes
+from specla.graphs.runtime import PackedTarget, PhaseClock, StaticState, capture, sync
+from specla.graphs.spec import PHASES, GraphedSpec, SpecState, StepOutcome
 from specla.tree import DraftTree
+
+MAX_BATCH = 64          # device-drafted steps replayed between two readbacks
 
 
 @dataclasses.dataclass
-class DraftRun:
-    tokens: list[int]
-    steps: int
-    accepted: list[int]
-    ms: float                       # decode wall time (prefill and graph captures excluded)
-    phases_ms: dict                 # draft | graph (verify+accept+readback) | observe | other
-    capture_ms: float
-    graphs: int
-    divergence: dict | None         # first position where the output leaves `reference`
+class Sampling:
+    temperature: float
+    top_p: float
+    seed: int
+
+
+@dataclasses.dataclass
+class GraphedStep:
+    """One step as the graphed backend records it (the engine turns it into a StepRecord)."""
+    tree: DraftTree                 # the verified draft, dummy nodes removed
+    outcome: StepOutcome
+    choice: list[int]               # the target's argmax at every node
+    target_prob: list[float]        # the target's probability of each node's token at its parent
+    times_ms: dict                  # draft / verify / accept (CUDA events, or host time eagerly)
+    details: dict                   # the drafter's JSON details (the LiLiCorr lattice)
+    mode: str = "tree"              # the verification mode that ran
 
 
 class GraphedDecoder:
-    """Speculative decoding with a real (host) drafter: the drafter runs eagerly between
-    graph replays, one graph per topology bucket (chains padded at their end; trees padded
-    with dummy nodes off the root, verified in "tree" mode with the topology rewritten in
-    place), all sharing one `SpecState`."""
+    """Speculative decoding over captured steps with a device drafter or a host drafter.
 
-    def __init__(self, rt: PackedTarget, drafter, settings, max_path: int, capacity: int,
-                 deferred: bool = True, use_graph: bool | None = None,
-                 recurrence: str = "kernels", max_graphs: int = 16):
-        self.rt, self.drafter, self.settings = rt, drafter, settings
-        self.state = SpecState(rt, max_path, capacity)
-        self.deferred, self.use_graph, self.recurrence = deferred, use_graph, recurrence
+    packed: the target; drafter: a host drafter (`specla.drafters.base.Drafter`) or a device
+    drafter (`specla.graphs.drafters.DeviceBlockDrafter`); settings: the draft settings (for
+    a host drafter); capacity: most tokens one decode makes; sampling: host acceptance;
+    max_drafted: the most nodes a host drafter drafts a step (default the budget).
+    """
+
+    def __init__(self, packed: PackedTarget, drafter, settings: DraftSettings, capacity: int,
+                 deferred: bool = True, mode: str = "auto", use_graph: bool | None = None,
+                 recurrence: str = "kernels", sampling: Sampling | None = None, max_graphs: int = 16,
+                 max_drafted: int | None = None):
+        self.packed, self.drafter, self.settings = packed, drafter, settings
+        self.on_device = hasattr(drafter, "template")
+        self.deferred, self.mode, self.recurrence, self.sampling = deferred, mode, recurrence, sampling
+        self.use_graph = packed.device.type == "cuda" if use_graph is None else use_graph
         self.max_graphs, self.specs = max_graphs, {}
+        self.feature_layers = tuple(drafter.feature_layers)
         self.capture_ms = 0.0
+        if sampling is not None and self.on_device:
+            raise ValueError("sampling runs with host drafters (a device drafter drafts greedily)")
+        if self.on_device:
+            template = drafter.template()
+            self.state = SpecState(packed, max_path=drafter.max_depth + 1, capacity=capacity,
+                                   max_nodes=len(template))
+            drafter.bind(self.state.log)
+            # a device-grown tree is verified by the tree kernels, which read the topology from
+            # the device; on the CPU the torch recurrence reads the rebuilt masks
+            recurrence = "torch" if drafter.dynamic and packed.device.type != "cuda" else recurrence
+            t0 = time.perf_counter()
+            self.spec = GraphedSpec(packed, self.state, template, mode="tree" if drafter.dynamic else mode,
+                                    deferred=deferred, feature_layers=self.feature_layers,
+                                    use_graph=self.use_graph, recurrence=recurrence, drafter=drafter)
+            self.first_graph = self._capture_first() if self.spec.use_graph else None
+            self.capture_ms = 1e3 * (time.perf_counter() - t0)
+        else:
+            # a host draft has at most `max_drafted` nodes besides the root; the pending commit
+            # is padded to its longest path (a padded entry folds as a no-op)
+            drafted = max_drafted or settings.budget
+            self.state = SpecState(packed, max_path=max_path_for(drafted), capacity=capacity,
+                                   max_nodes=padded_nodes(drafted))
+
+    @property
+    def graphs(self) -> int:
+        if self.on_device:
+            return len(self.spec.graphs) + int(self.first_graph is not None)
+        return sum(len(s.graphs) for s in self.specs.values())
+
+    # -- set-up -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _capture_first(self) -> torch.cuda.CUDAGraph:
+        """The first draft of a sequence (no accepted path yet) as a graph of its own."""
+        kept = [self.spec.tokens] + self.drafter.buffers()
+        with self.state.preserved():
+            saved = [t.clone() for t in kept]
+            graph = capture(lambda: self.drafter.propose(self.spec))
+            for t, s in zip(kept, saved):
+                t.copy_(s)
+        return graph
 
     def _spec_for(self, tree: DraftTree) -> tuple[GraphedSpec, DraftTree]:
         key, padded = bucket(tree)
         spec = self.specs.get(key)
         if spec is None:
-            graphed = self.use_graph if len(self.specs) < self.max_graphs else False
+            graphed = self.use_graph and len(self.specs) < self.max_graphs
             t0 = time.perf_counter()
-            spec = GraphedSpec(self.rt, self.state, padded, mode="auto", deferred=self.deferred,
-                               feature_layers=self.drafter.feature_layers, use_graph=graphed,
-                               recurrence=self.recurrence, dynamic=True)
+            spec = GraphedSpec(self.packed, self.state, padded, mode=self.mode, deferred=self.deferred,
+                               feature_layers=self.feature_layers, use_graph=graphed,
+                               recurrence=self.recurrence, dynamic=True,
+                               host_accept=self.sampling is not None)
             self.capture_ms += 1e3 * (time.perf_counter() - t0)
             self.specs[key] = spec
         return spec, padded
 
     @torch.no_grad()
-    def generate(self, prompt: list[int], n: int, reference: list[int] | None = None,
-                 prefilled=None) -> DraftRun:
-        from specla.drafters.base import Accepted, DraftContext
+    def start(self, prompt: list[int], prefilled=None):
+        """Load the prefilled state (prefilling if not given) and reset the drafter; returns
+        the prefill (state, features, last hidden) so a later decode can reuse it."""
+        pre = prefilled or self.packed.prefill(prompt, self.feature_layers)
+        state0, feats, hidden = pre
+        self.state.reset(state0, prompt[-1])
+        if self.on_device:
+            self.drafter.reset(feats if len(prompt) > 1 else None)
+        else:
+            self.drafter.reset(prompt, feats, hidden)
+        return pre
 
-        rt, st = self.rt, self.state
-        state0, feats, hidden = prefilled or rt.prefill(prompt, self.drafter.feature_layers)
-        self.drafter.reset(prompt, feats, hidden)
-        st.reset(state0, prompt[-1])
-        gen = torch.Generator().manual_seed(0)
-        root, out, accepted, divergence = prompt[-1], [], [], None
-        phases = {"draft": 0.0, "graph": 0.0, "observe": 0.0}
-        capture_before = self.capture_ms
-        sync(rt.device)
-        t_start = time.perf_counter()
-        while len(out) < n:
+    # -- decoding -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def steps(self, prompt: list[int], n: int, prefilled=None) -> Iterator[GraphedStep]:
+        """Decode until at least n tokens are made; one GraphedStep per target forward."""
+        if n > self.state.capacity:
+            raise ValueError(f"{n} tokens exceed this decoder's capacity ({self.state.capacity})")
+        self.start(prompt, prefilled)
+        if self.on_device:
+            yield from self._device_steps(n)
+        else:
+            yield from self._host_steps(prompt, n)
+
+    def _device_steps(self, n: int) -> Iterator[GraphedStep]:
+        st, spec, P = self.state, self.spec, self.state.max_path
+        clock = PhaseClock(self.packed.device)
+        if self.first_graph is not None:
+            self.first_graph.replay()
+        else:
+            self.drafter.propose(spec)
+        clock.mark()
+        draft_ms = clock.read()[0]
+        done, produced = 0, 0
+        while produced < n:
+            batch = min(MAX_BATCH, max(1, (n - produced) // P))
+            clock.restart()
+            for _ in range(batch):
+                for phase in PHASES:
+                    spec.run(phase)
+                    clock.mark()
+            gaps = clock.read()
+            logged = st.log.read(done, done + batch)
+            details = self.drafter.details(done, done + batch)
+            for i in range(batch):
+                verify_ms, accept_ms, next_draft_ms = gaps[3 * i:3 * i + 3]
+                step = _from_log(logged, i, {"draft": draft_ms, "verify": verify_ms, "accept": accept_ms},
+                                 details[i], spec.mode)
+                draft_ms = next_draft_ms
+                produced += step.outcome.accepted + 1
+                yield step
+            done += batch
+
+    def _host_steps(self, prompt: list[int], n: int) -> Iterator[GraphedStep]:
+        st, dev = self.state, self.packed.device
+        gen = torch.Generator().manual_seed(self.sampling.seed if self.sampling else 0)
+        settings = self.settings
+        if self.sampling:
+            settings = dataclasses.replace(settings, temperature=self.sampling.temperature)
+        root, produced, index = prompt[-1], 0, 0
+        while produced < n:
             t0 = time.perf_counter()
-            draft = self.drafter.propose(DraftContext(root, self.settings, gen))
-            t1 = time.perf_counter()
+            draft = self.drafter.propose(DraftContext(root, settings, gen))
+            if draft.tree.tokens[0] != root:
+                raise RuntimeError("drafter returned a tree whose root is not the current token")
             spec, padded = self._spec_for(draft.tree)
-            t2 = time.perf_counter()
             spec.load_tree(padded)
-            spec.step()
-            a, end, bonus, *path = spec.result.tolist()          # the one sync of the step
+            sync(dev)
+            t1 = time.perf_counter()
+            spec.run("verify")
+            sync(dev)
+            t2 = time.perf_counter()
+            host_probs = None
+            if self.sampling:
+                real = len(draft.tree)
+                logits = spec.logits[:real]
+                acc = accept_sampling(draft.tree, logits, self.sampling.temperature, self.sampling.top_p,
+                                      draft.proposal, gen)
+                spec.set_outcome(StepOutcome(len(acc.path) - 1, acc.path[-1], acc.bonus, acc.path))
+                host_probs = _target_probs(draft.tree, logits, self.sampling.temperature)
+            spec.run("accept")
+            logged = st.log.read(index, index + 1)
             t3 = time.perf_counter()
-            nodes = path[:a + 1]
-            idx = torch.tensor(nodes, device=rt.device)
+            step = _from_log(logged, 0, {}, draft.details, spec.mode, tree=draft.tree)
+            if host_probs is not None:
+                step.target_prob = host_probs
+            nodes = step.outcome.path
+            idx = torch.tensor(nodes, device=dev)
             self.drafter.observe(Accepted(
                 tokens=[padded.tokens[i] for i in nodes],
                 features=None if spec.features is None else spec.features.index_select(0, idx),
-                last_hidden=spec.last_hidden.index_select(0, idx), bonus_token=bonus))
+                last_hidden=spec.last_hidden.index_select(0, idx), bonus_token=step.outcome.bonus))
             t4 = time.perf_counter()
-            new = [padded.tokens[i] for i in nodes[1:]] + [bonus]
-            if reference is not None and divergence is None:
-                divergence = _first_divergence(spec, nodes, new, reference, len(out))
-            out += new
-            accepted.append(a)
-            root = bonus
-            phases["draft"] += 1e3 * (t1 - t0)
-            phases["graph"] += 1e3 * (t3 - t2)
-            phases["observe"] += 1e3 * (t4 - t3)
-        sync(rt.device)
-        captured = self.capture_ms - capture_before
-        ms = 1e3 * (time.perf_counter() - t_start) - captured
-        phases["other"] = ms - sum(phases.values())
-        return DraftRun(out, len(accepted), accepted, ms, phases, captured,
-                        sum(1 for s in self.specs.values() if s.graphs), divergence)
+            step.times_ms = {"draft": 1e3 * ((t1 - t0) + (t4 - t3)), "verify": 1e3 * (t2 - t1),
+                             "accept": 1e3 * (t3 - t2)}
+            produced += step.outcome.accepted + 1
+            root, index = step.outcome.bonus, index + 1
+            yield step
+
+    # -- exactness helpers ----------------------------------------------------------------------
+    @torch.no_grad()
+    def replay_logits(self, prompt: list[int], prefilled, steps: int) -> torch.Tensor:
+        """The target's logits [N, V] at step `steps` of a device-drafted decode (replays are
+        deterministic): where an output left AR's, they give the logit gap there."""
+        self.start(prompt, prefilled)
+        if self.first_graph is not None:
+            self.first_graph.replay()
+        else:
+            self.drafter.propose(self.spec)
+        for _ in range(steps):
+            self.spec.step()
+        self.spec.run("verify")
+        return self.spec.logits.clone()
+
+    def state_after(self) -> StaticState:
+        """The decoded state with the pending commit folded in (the live state untouched)."""
+        return self.state.folded_copy()
 
 
-def _first_divergence(spec: GraphedSpec, nodes: list[int], new: list[int], reference: list[int],
-                      offset: int) -> dict | None:
-    """Where this step's tokens leave the reference: the target's logit gap there (between its
-    own pick and the reference token, at the node that chose) tells a near-tie apart."""
-    for j, token in enumerate(new):
-        pos = offset + j
-        if pos >= len(reference):
-            return None
-        if token != reference[pos]:
-            row = spec.logits[nodes[j]]
-            return {"position": pos, "token": token, "reference_token": reference[pos],
-                    "gap": float(row[token] - row[reference[pos]])}
-    return None
+def _from_log(logged, i: int, times_ms: dict, details: dict, mode: str,
+              tree: DraftTree | None = None) -> GraphedStep:
+    """Step i of a batch of log rows; dummy nodes (token -1) dropped (they are always last)."""
+    outcome = StepOutcome.unpack(logged.result[i])
+    if tree is None:
+        tokens, parents = logged.tokens[i], logged.parents[i]
+        n = next((j for j, t in enumerate(tokens) if t < 0), len(tokens))
+        logp = logged.draft_logp[i][:n]
+        tree = DraftTree(tokens[:n], [-1] + parents[1:n], logprobs=logp)
+    n = len(tree)
+    return GraphedStep(tree, outcome, logged.choice[i][:n], logged.target_prob[i][:n], times_ms, details, mode)
+
+
+def _target_probs(tree: DraftTree, logits: torch.Tensor, temperature: float) -> list[float]:
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    parents = torch.tensor([max(p, 0) for p in tree.parents], device=logits.device)
+    tokens = torch.tensor(tree.tokens, device=logits.device)
+    out = probs[parents, tokens].tolist()
+    out[0] = 1.0
+    return out

@@ -237,3 +237,37 @@ class Stopwatch:
             self.ms = self.start.elapsed_time(self.end)
         else:
             self.ms = 1e3 * (time.perf_counter() - self.t0)
+
+
+class PhaseClock:
+    """Per-phase milliseconds of replays, with no host sync until they are read.
+
+    `mark()` after each phase records a CUDA event (on the CPU a perf_counter reading, the
+    eager body having run to completion); `read()` waits for the last mark and returns the
+    gaps between consecutive marks since the previous read.
+    """
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.marks: list = []
+        self.mark()
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def restart(self) -> None:
+        """Start counting from now (host work since the last mark is not a phase)."""
+        self.marks = []
+        self.mark()
+
+    def read(self) -> list[float]:
+        marks, self.marks = self.marks, self.marks[-1:]
+        if self.cuda:
+            marks[-1].synchronize()
+            return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+        return [1e3 * (b - a) for a, b in zip(marks, marks[1:])]

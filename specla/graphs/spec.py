@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from specla.graphs.runtime import PackedTarget, StaticState, capture, sync
+from specla.graphs.runtime import PackedTarget, PhaseClock, StaticState, capture
 from specla.model import InferenceState, Topology
 from specla.tree import DraftTree
 
@@ -77,15 +78,108 @@ class SpecTopology:
             getattr(self, name).copy_(value)
         self.tree = self.model_topo.tree = tree
 
+    @torch.no_grad()
+    def rebuild(self, parents: torch.Tensor) -> None:
+        """Rewrite every tensor in place from a parents tensor [N] already on the device
+        (topological order, -1 for the root), with tensor ops only: a device drafter that
+        grows a different tree each step calls this inside the step graph. `self.tree` keeps
+        the shape the graph was captured with; `main` (the oracle's line) is not rebuilt."""
+        n, P, dev = self.n, self.max_path, parents.device
+        par = parents.clamp(min=0)
+        nodes = torch.arange(n, device=dev)
+        anc = torch.zeros(n, n, device=dev)
+        hop = par
+        for _ in range(P - 1):                  # climb one level a time; the root stays put
+            anc.scatter_(1, hop[:, None], 1.0)
+            hop = par.index_select(0, hop)
+        anc[0].zero_()
+        depth = anc.sum(1).long()
+        anc_or_self = anc + torch.eye(n, device=dev)
+        at_depth = (depth[:, None] == self.arange_p[None, :]).float()             # [N, P]
+        path = ((anc_or_self * nodes[None, :].float()) @ at_depth).long()         # ancestor at each depth
+        W = self.conv_size
+        seq = depth[:, None] + torch.arange(W, device=dev)[None, :]               # window positions
+        from_path = path.gather(1, (seq - (W - 1)).clamp(0, P - 1))
+        self.model_topo.parents.copy_(parents)
+        self.conv_index.copy_(torch.where(seq < W - 1, seq, W - 1 + from_path))
+        self.parent.copy_(par)
+        self.anc.copy_(anc)
+        self.anc_or_self.copy_(anc_or_self)
+        same = (par[:, None] == par[None, :]) & (nodes[None, :] < nodes[:, None])
+        real = nodes > 0
+        self.earlier_sibling.copy_((same & real[:, None] & real[None, :]).float())
+        self.depth.copy_(depth)
+        self.path_table.copy_(path)
+
+
+class StepLog:
+    """What each step did, written on the device and read back by the host in batches.
+
+    Row s is step s: the verified tree (tokens root first, -1 for dummy nodes; parents), the
+    target's argmax at every node and its probability of each node's token given the node's
+    parent, the drafter's log-prob of each node (0 where unknown), and the acceptance
+    (accepted drafts a, end node, bonus token, the accepted path padded to P).
+    """
+
+    def __init__(self, steps: int, nodes: int, max_path: int, device):
+        self.steps, self.nodes = steps, nodes
+        i64 = dict(device=device, dtype=torch.long)
+        self.tokens = torch.full((steps, nodes), -1, **i64)
+        self.parents = torch.zeros(steps, nodes, **i64)
+        self.choice = torch.zeros(steps, nodes, **i64)
+        self.target_prob = torch.zeros(steps, nodes, device=device)
+        self.draft_logp = torch.zeros(steps, nodes, device=device)
+        self.result = torch.zeros(steps, 3 + max_path, **i64)
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [self.tokens, self.parents, self.choice, self.target_prob, self.draft_logp, self.result]
+
+    def row(self, step: torch.Tensor) -> torch.Tensor:
+        """The row index of a device step counter (the last row absorbs any overflow)."""
+        return step.clamp(max=self.steps - 1)
+
+    def read(self, start: int, stop: int) -> "LoggedSteps":
+        """Rows start..stop-1 as host lists (one copy per field)."""
+        stop = min(stop, self.steps)
+        return LoggedSteps(self.tokens[start:stop].tolist(), self.parents[start:stop].tolist(),
+                           self.choice[start:stop].tolist(), self.target_prob[start:stop].tolist(),
+                           self.draft_logp[start:stop].tolist(), self.result[start:stop].tolist())
+
+
+@dataclasses.dataclass
+class LoggedSteps:
+    """Host copies of `StepLog` rows (lists indexed [step][node])."""
+    tokens: list[list[int]]
+    parents: list[list[int]]
+    choice: list[list[int]]
+    target_prob: list[list[float]]
+    draft_logp: list[list[float]]
+    result: list[list[int]]             # a, end, bonus, path...
+
+
+@dataclasses.dataclass
+class StepOutcome:
+    """One step's acceptance, named (the device packs it as [a, end, bonus, path...])."""
+    accepted: int                       # drafted tokens accepted (the root not counted)
+    end: int                            # the last accepted node
+    bonus: int                          # the token the target adds (the next root)
+    path: list[int]                     # accepted nodes, root first
+
+    @classmethod
+    def unpack(cls, row: list[int]) -> "StepOutcome":
+        a, end, bonus = row[0], row[1], row[2]
+        return cls(a, end, bonus, row[3:3 + a + 1])
+
 
 class SpecState:
     """The static decoding state that speculative graphs share: recurrent + conv state, the
     deferred commit's pending factors padded to `max_path`, and the device-side bookkeeping
     (next root, tokens produced, step count, output tokens, per-step records)."""
 
-    def __init__(self, rt: PackedTarget, max_path: int, capacity: int):
+    def __init__(self, rt: PackedTarget, max_path: int, capacity: int, max_nodes: int | None = None):
         c, dev, L = rt.config, rt.device, rt.config.num_hidden_layers
         self.rt, self.max_path, self.capacity = rt, max_path, capacity
+        self.log = StepLog(capacity + 1, max_nodes or max_path, max_path, dev)
         self.cache = StaticState(c, dev, rt.dtype)
         z = dict(device=dev, dtype=torch.float32)
         self.pk = torch.zeros(L, 1, max_path, c.num_heads, c.head_dim, **z)
@@ -101,7 +195,7 @@ class SpecState:
 
     def buffers(self) -> list[torch.Tensor]:
         return [self.cache.recurrent, self.cache.conv, self.pk, self.pd, self.pg, self.root,
-                self.pos, self.step, self.out, self.acc, self.div, self.gap, self.last]
+                self.pos, self.step, self.out, self.acc, self.div, self.gap, self.last] + self.log.buffers()
 
     @torch.no_grad()
     def reset(self, state: StaticState | InferenceState, root: int) -> None:
@@ -182,14 +276,21 @@ def torch_tree_verify(q, k, v, g, beta, S0, topo: SpecTopology, pending=None):
     return o.transpose(1, 2), u.transpose(1, 2)
 
 
+PHASES = ("verify", "accept", "draft")
+
+
 class GraphedSpec:
     """One speculative step for one draft topology, captured as CUDA graphs.
 
-    Phases (each also captured alone, so their GPU time can be measured with events between
-    replays): `verify` (tree forward; folds the pending commit), `accept` (greedy acceptance,
-    commit or defer, conv window, bookkeeping), `draft` (the device oracle, or a device-resident
-    `drafter` such as `specla.graphs.drafters.DeviceChainDrafter`, if any). `step()` replays all
-    three as one graph.
+    Phases, each its own graph so that CUDA events between replays time them: `verify` (the
+    tree forward; folds the pending commit), `accept` (acceptance, commit or defer, conv
+    window, bookkeeping, the step log), `draft` (the device oracle, or a device-resident
+    `drafter` such as `specla.graphs.drafters.DeviceDrafter`, if any). With
+    `whole_step=True` the three are also captured as one graph (`step`).
+
+    Acceptance is greedy on the device, or, with `host_accept=True`, read from `result`
+    where the host wrote it (lossless rejection sampling runs on the host between `verify`
+    and `accept`).
 
     A `drafter` is any object with `draft(spec)`, which reads this step's `result` and
     `features` and writes the next step's `tokens[0, 1:]` with tensor ops only; its static
@@ -200,14 +301,15 @@ class GraphedSpec:
     def __init__(self, rt: PackedTarget, state: SpecState, tree: DraftTree, mode: str = "auto",
                  deferred: bool = True, oracle: DeviceOracle | None = None,
                  feature_layers: tuple[int, ...] = (), use_graph: bool | None = None,
-                 recurrence: str = "kernels", split_graphs: bool = False, dynamic: bool = False,
-                 drafter=None):
+                 recurrence: str = "kernels", dynamic: bool = False, drafter=None,
+                 host_accept: bool = False, whole_step: bool = False):
         from specla.verify import resolve_mode
 
         if oracle is not None and drafter is not None:
             raise ValueError("a speculative step drafts with the device oracle or a device drafter, not both")
         self.rt, self.state, self.oracle, self.drafter = rt, state, oracle, drafter
         self.deferred, self.feature_layers, self.recurrence = deferred, tuple(feature_layers), recurrence
+        self.host_accept = host_accept
         self.topo = SpecTopology(tree, rt.config.conv_size, state.max_path, rt.device)
         self.mode = resolve_mode(mode, self.topo.model_topo, rt.device.type)
         # A graph that serves every tree of its size must not bake in a host-built schedule:
@@ -216,6 +318,8 @@ class GraphedSpec:
         if self.dynamic:
             self.mode = "tree"
         n, dev, c = len(tree), rt.device, rt.config
+        if n > state.log.nodes:
+            raise ValueError(f"a draft of {n} nodes does not fit the step log ({state.log.nodes} nodes)")
         self.tokens = torch.tensor([tree.tokens], dtype=torch.long, device=dev)
         self.factors = rt.new_factors(n)
         self.logits = torch.zeros(n, c.vocab_size, device=dev)
@@ -223,15 +327,16 @@ class GraphedSpec:
         self.features = (torch.zeros(n, len(self.feature_layers), c.hidden_size, device=dev, dtype=rt.dtype)
                          if self.feature_layers else None)
         self.result = torch.zeros(3 + state.max_path, dtype=torch.long, device=dev)  # a, end, bonus, path
+        self._log_pad = torch.full((state.log.nodes - n,), -1, dtype=torch.long, device=dev)
         self.use_graph = dev.type == "cuda" if use_graph is None else use_graph
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self.capture_ms = 0.0
         if self.use_graph:
-            self._capture("step")
-            if split_graphs:
-                drafts = oracle is not None or drafter is not None
-                for phase in ("verify", "accept") + (("draft",) if drafts else ()):
-                    self._capture(phase)
+            drafts = oracle is not None or drafter is not None
+            for phase in PHASES if drafts else PHASES[:2]:
+                self._capture(phase)
+            if whole_step:
+                self._capture("step")
 
     # ---- phases
     def _verify_layer(self, l, q, k, v, g, beta, S):
@@ -253,12 +358,35 @@ class GraphedSpec:
             self.features.copy_(feats)
 
     def accept(self) -> None:
-        """Greedy acceptance on the device, then the commit (now or deferred) and bookkeeping."""
+        """Acceptance (greedy on the device, or the host's from `result`), then the commit
+        (now or deferred), the conv window, the bookkeeping and the step log."""
         tok = self.tokens[0]
-        a, end, path, valid, bonus = greedy_accept(self.topo, tok, self.logits)
+        if self.host_accept:
+            a, end, bonus = self.result[0:1], self.result[1:2], self.result[2:3]
+            path = self.result[3:]
+            valid = self.topo.arange_p <= a
+        else:
+            a, end, path, valid, bonus = greedy_accept(self.topo, tok, self.logits)
+        self._log(tok)
         self._commit(path, valid)
         self._conv_window(path, a)
         self._bookkeep(tok, path, a, bonus, end)
+
+    def _log(self, tok) -> None:
+        """The verified tree and the target's view of every node, into the step log's row."""
+        st, topo = self.state, self.topo
+        row = st.log.row(st.step)
+        logits = self.logits
+        lse = torch.logsumexp(logits, dim=-1)                                         # [N]
+        at_parent = logits.index_select(0, topo.parent).gather(1, tok.clamp(min=0)[:, None])[:, 0]
+        prob = torch.where(topo.is_root, 1.0, (at_parent - lse.index_select(0, topo.parent)).exp())
+        prob = torch.where(tok < 0, 0.0, prob)
+        choice = logits.argmax(-1)
+        log = st.log
+        log.tokens.index_copy_(0, row, torch.cat([tok, self._log_pad])[None])
+        log.parents.index_copy_(0, row, torch.cat([topo.parent, self._log_pad.clamp(min=0)])[None])
+        log.choice.index_copy_(0, row, torch.cat([choice, self._log_pad.clamp(min=0)])[None])
+        log.target_prob.index_copy_(0, row, torch.cat([prob, self._log_pad.float().clamp(min=0)])[None])
 
     def _commit(self, path, valid) -> None:
         st, f = self.state, self.factors
@@ -299,11 +427,13 @@ class GraphedSpec:
             row = self.logits.index_select(0, end)[0]
             st.div.index_copy_(0, s, div)
             st.gap.index_copy_(0, s, row.index_select(0, bonus) - row.index_select(0, expected))
+        result = torch.cat([a, end, bonus, path])
+        st.log.result.index_copy_(0, st.log.row(st.step), result[None])
         st.pos.add_(a + 1)
         st.root.copy_(bonus)
         st.step.add_(1)
         st.last.copy_(torch.cat([a, end, bonus, div, st.pos]))
-        self.result.copy_(torch.cat([a, end, bonus, path]))
+        self.result.copy_(result)
 
     def draft(self) -> None:
         if self.drafter is not None:
@@ -318,7 +448,7 @@ class GraphedSpec:
     def _capture(self, phase: str) -> None:
         t0 = time.perf_counter()
         # the warm-up runs the body for real: every static buffer it writes is put back
-        extra = [self.tokens] + list(getattr(self.drafter, "buffers", list)())
+        extra = [self.tokens, self.result] + list(getattr(self.drafter, "buffers", list)())
         with self.state.preserved():
             saved = [t.clone() for t in extra]
             self.graphs[phase] = capture(self._body(phase))
@@ -327,7 +457,7 @@ class GraphedSpec:
         self.capture_ms += 1e3 * (time.perf_counter() - t0)
 
     # ---- running
-    def run(self, phase: str = "step") -> None:
+    def run(self, phase: str) -> None:
         graph = self.graphs.get(phase)
         if graph is not None:
             graph.replay()
@@ -335,7 +465,12 @@ class GraphedSpec:
             self._body(phase)()
 
     def step(self) -> None:
-        self.run("step")
+        """One whole step: the one-step graph if captured, else the three phases in turn."""
+        if "step" in self.graphs:
+            self.graphs["step"].replay()
+            return
+        for phase in PHASES:
+            self.run(phase)
 
     @torch.no_grad()
     def load_tree(self, tree: DraftTree) -> None:
@@ -354,32 +489,25 @@ class GraphedSpec:
             raise ValueError(f"{len(tokens)} tokens for a topology of {self.topo.n} nodes")
         self.tokens[0, 1:].copy_(torch.tensor(tokens[1:], dtype=torch.long), non_blocking=True)
 
+    @torch.no_grad()
+    def set_outcome(self, outcome: StepOutcome) -> None:
+        """The host's acceptance of this step, for the `accept` phase (`host_accept=True`)."""
+        P = self.state.max_path
+        path = (outcome.path + [0] * P)[:P]
+        self.result.copy_(torch.tensor([outcome.accepted, outcome.end, outcome.bonus] + path,
+                                       dtype=torch.long))
+
 
 @torch.no_grad()
 def phase_times(spec: GraphedSpec, steps: int) -> dict:
     """Milliseconds per step of each phase (verify, accept_commit, draft) over `steps` steps
-    from the spec's current state: the phase graphs (`split_graphs=True`) replayed with CUDA
-    events between them, or host time eagerly."""
-    names = (("verify", "verify"), ("accept", "accept_commit"), ("draft", "draft"))
-    totals = {key: 0.0 for _, key in names}
-    cuda = spec.rt.device.type == "cuda"
-    marks = []
-    sync(spec.rt.device)
+    from the spec's current state: the phase graphs replayed with CUDA events between them
+    (host time when eager)."""
+    clock = PhaseClock(spec.rt.device)
     for _ in range(steps):
-        if cuda:
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(names) + 1)]
-            ev[0].record()
-            for i, (phase, _) in enumerate(names):
-                spec.run(phase)
-                ev[i + 1].record()
-            marks.append(ev)
-        else:
-            for phase, key in names:
-                t0 = time.perf_counter()
-                spec.run(phase)
-                totals[key] += 1e3 * (time.perf_counter() - t0)
-    sync(spec.rt.device)
-    for ev in marks:
-        for i, (_, key) in enumerate(names):
-            totals[key] += ev[i].elapsed_time(ev[i + 1])
-    return {key: value / max(steps, 1) for key, value in totals.items()}
+        for phase in PHASES:
+            spec.run(phase)
+            clock.mark()
+    gaps = clock.read()
+    names = ("verify", "accept_commit", "draft")
+    return {name: sum(gaps[i::3]) / max(steps, 1) for i, name in enumerate(names)}

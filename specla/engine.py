@@ -1,0 +1,281 @@
+"""One decoding API over two backends; the app, the CLI and the bench all decode through it.
+
+    engine = Engine(target)                              # backend "auto": graphed on CUDA
+    ar = engine.ar(prompt, settings)                     # the AR baseline, timed
+    for record in engine.speculate(prompt, drafter, settings, draft_settings):
+        ...                                              # one StepRecord per target forward
+
+Backends:
+    eager     `specla.decode`: plain PyTorch, one Python loop; the CPU path and the reference
+    graphed   `specla.graphs`: CUDA graphs over static buffers; the AR baseline one graph a
+              token, the speculative step three (verify, accept, draft). Greedy block and
+              LiLiCorr drafts (chains and trees) are drafted inside the graphs; other drafters
+              run on the host between replays, and sampling accepts on the host (`plan` says
+              which, and why)
+
+Both yield the same `StepRecord`s, so a trace does not depend on the backend that made it;
+`elapsed_ms` is the time the step took (wall time eagerly, CUDA events when graphed).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import statistics
+import time
+from typing import Iterator
+
+import torch
+
+from specla.accept import Acceptance
+from specla.decode import (DecodeSettings, StepRecord, ar_generate, commit_info, speculative_steps)
+from specla.drafters.base import DraftSettings
+from specla.tree import DraftTree
+
+BACKENDS = ("auto", "eager", "graphed")
+CACHED_DECODERS = 8           # captured decoders kept per engine (one per settings bucket)
+
+
+@dataclasses.dataclass
+class Plan:
+    """How a speculative decode will run, and why where it is not all on the device."""
+    backend: str                  # eager | graphed
+    drafting: str                 # device (inside the step graphs) | host (between replays) | eager
+    acceptance: str               # device | host
+    note: str | None = None
+
+
+@dataclasses.dataclass
+class ARRun:
+    tokens: list[int]
+    ms_per_token: float           # median over the timed runs
+    runs_ms_per_token: list[float]
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        return "graphed" if device.type == "cuda" else "eager"
+    return backend
+
+
+class Engine:
+    """A target and the backend that decodes it (`BACKENDS`; "auto": graphed on CUDA).
+
+    compile_drafter: `torch.compile` the device drafters' ops before capture (None: on CUDA);
+    fused_head: LiLiCorr's head as Triton kernels where supported (None: wherever it can).
+    use_graph: capture the graphed backend's bodies (None: on CUDA; False runs the same
+    bodies eagerly, which is how the CPU tests check them).
+    """
+
+    def __init__(self, target, backend: str = "auto", ops: str = "auto", compile_drafter: bool | None = None,
+                 fused_head: bool | None = None, use_graph: bool | None = None, recurrence: str = "kernels"):
+        self.target = target
+        self.device = target.device
+        self.backend = resolve_backend(backend, self.device)
+        self.use_graph = use_graph
+        self.recurrence = recurrence
+        self.compile_drafter = (self.device.type == "cuda") if compile_drafter is None else compile_drafter
+        self.fused_head = fused_head
+        self.packed = None
+        self.ops_note = "plain-torch reference ops"
+        if self.backend == "graphed":
+            from specla.graphs.runtime import PackedTarget
+            self.packed = PackedTarget(target, ops)
+            self.ops_note = self.packed.ops_note
+        self._ar = None
+        self._decoders: collections.OrderedDict = collections.OrderedDict()
+        self.capture_ms = 0.0             # graph captures and compiles of the last decode's decoder
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.target.dtype
+
+    # -- AR -----------------------------------------------------------------------------------
+    def ar(self, prompt: list[int], settings: DecodeSettings, eos_token_id: int | None = None,
+           repeats: int = 1, prefilled=None) -> ARRun:
+        """The AR baseline: `repeats` timed runs after one warm-up (graphed), median ms/token."""
+        settings.validate()
+        if self.backend == "eager":
+            runs = [ar_generate(self.target, prompt, settings, eos_token_id) for _ in range(repeats)]
+            times = [1e3 * r.seconds / max(1, len(r.tokens)) for r in runs]
+            return ARRun(runs[0].tokens, statistics.median(times), times)
+        ar = self._graphed_ar(settings)
+        state0 = (prefilled or self.packed.prefill(prompt))[0]
+        n = settings.max_new_tokens
+        ar.timed_generate(state0, prompt[-1], n)                       # warm
+        runs = [ar.timed_generate(state0, prompt[-1], n) for _ in range(max(1, repeats))]
+        tokens = runs[0][0]
+        if settings.stop_at_eos and eos_token_id in tokens:
+            tokens = tokens[:tokens.index(eos_token_id) + 1]
+        times = [ms / n for _, ms in runs]
+        return ARRun(tokens, statistics.median(times), times)
+
+    def _graphed_ar(self, settings: DecodeSettings):
+        from specla.graphs.ar import GraphedAR
+
+        need = settings.max_new_tokens + 64
+        if (self._ar is None or self._ar.out.numel() < need or self._ar.temperature != settings.temperature):
+            self._ar = GraphedAR(self.packed, max_len=max(need, 1024), use_graph=self.use_graph,
+                                 temperature=settings.temperature)
+        return self._ar
+
+    @torch.no_grad()
+    def divergence(self, prompt: list[int], tokens: list[int], position: int, ar_token: int) -> dict:
+        """Where an output left AR's (same prefix, another token at `position`): the target's
+        logits there as the AR step computes them, so a near-tie shows as a tiny gap."""
+        forced = tokens[:position]
+        if self.backend == "graphed":
+            ar = self._graphed_ar(DecodeSettings(max_new_tokens=max(1, position + 1)))
+            row = ar.logits_along(self.packed.prefill(prompt)[0], prompt[-1], forced)[-1].float()
+        else:
+            from specla.decode import replay_state
+            from specla.model import Topology, commit
+            state = replay_state(self.target, prompt[:-1])
+            topo = Topology.chain(1, self.target.config.conv_size, self.device)
+            for token in [prompt[-1]] + forced:
+                out = self.target(torch.tensor([[token]], device=self.device), state, topo, mode="chain")
+                commit(state, out.factors, [0])
+            row = out.logits[0, 0].float()
+        top2 = row.topk(2).values
+        return {"position": position, "token": tokens[position], "ar_token": ar_token,
+                "logit_gap": round(float(row[ar_token] - row[tokens[position]]), 6),
+                "top2_gap": round(float(top2[0] - top2[1]), 6)}
+
+    # -- speculation -----------------------------------------------------------------------
+    def plan(self, drafter, settings: DecodeSettings, draft_settings: DraftSettings) -> Plan:
+        """Where each part of a step will run for these settings (without building anything)."""
+        if self.backend == "eager":
+            return Plan("eager", "eager", "eager")
+        from specla.graphs.drafters import device_drafter_for
+
+        why = _device_blocker(drafter, settings, draft_settings)
+        if why is None:
+            dev, why = device_drafter_for(drafter, _draft_settings(settings, draft_settings), compile=False,
+                                          fused_head=False, check_only=True)
+        if why is None:
+            return Plan("graphed", "device", "device")
+        acceptance = "host" if settings.temperature > 0 else "device"
+        what = "drafting runs on the host between graph replays"
+        if acceptance == "host":
+            what += "; rejection sampling runs on the host"
+        return Plan("graphed", "host", acceptance, f"{what}: {why}")
+
+    def speculate(self, prompt: list[int], drafter, settings: DecodeSettings, draft_settings: DraftSettings,
+                  eos_token_id: int | None = None) -> Iterator[StepRecord]:
+        """Decode `prompt` speculatively; one StepRecord per target forward (the first call
+        also captures the graphs for these settings: `capture_ms` tells how long)."""
+        settings.validate()
+        if self.backend == "eager":
+            yield from self._eager(prompt, drafter, settings, draft_settings, eos_token_id)
+            return
+        yield from self._graphed(prompt, drafter, settings, draft_settings, eos_token_id)
+
+    def _eager(self, prompt, drafter, settings, draft_settings, eos) -> Iterator[StepRecord]:
+        steps = speculative_steps(self.target, drafter, prompt, settings, draft_settings, eos)
+        while True:
+            start = time.perf_counter()
+            record = next(steps, None)
+            if record is None:
+                return
+            # the first record also prefilled: count only its measured phases
+            wall = 1e3 * (time.perf_counter() - start)
+            record.elapsed_ms = wall if record.index else sum(record.times_ms.values())
+            yield record
+
+    def decoder(self, drafter, settings: DecodeSettings, draft_settings: DraftSettings):
+        """The captured decoder for these settings (built and captured on first use)."""
+        from specla.graphs.decoders import GraphedDecoder, Sampling
+        from specla.graphs.drafters import device_drafter_for
+
+        ds = _draft_settings(settings, draft_settings)
+        capacity = _capacity(settings.max_new_tokens)
+        plan = self.plan(drafter, settings, draft_settings)
+        net = getattr(getattr(drafter, "inner", drafter), "net", None)
+        key = (plan.drafting, type(drafter).__name__, id(net) if net is not None else id(drafter),
+               dataclasses.astuple(ds), settings.mode, settings.deferred, capacity,
+               settings.temperature > 0, _preset_size(drafter))
+        dec = self._decoders.get(key)
+        start = time.perf_counter()
+        if dec is None:
+            sampling = (Sampling(settings.temperature, settings.top_p, settings.seed)
+                        if settings.temperature > 0 else None)
+            if plan.drafting == "device":
+                dev, _ = device_drafter_for(drafter, ds, compile=self.compile_drafter, fused_head=self.fused_head)
+                dec = GraphedDecoder(self.packed, dev, ds, capacity, settings.deferred, settings.mode,
+                                     self.use_graph, self.recurrence)
+            else:
+                dec = GraphedDecoder(self.packed, drafter, ds, capacity, settings.deferred, settings.mode,
+                                     self.use_graph, self.recurrence, sampling=sampling,
+                                     max_drafted=max(ds.budget, _preset_size(drafter)))
+            self._decoders[key] = dec
+            while len(self._decoders) > CACHED_DECODERS:
+                self._decoders.popitem(last=False)
+        self._decoders.move_to_end(key)
+        if not dec.on_device:
+            dec.drafter = drafter                 # a host drafter's per-run copy
+            dec.sampling = (Sampling(settings.temperature, settings.top_p, settings.seed)
+                            if settings.temperature > 0 else None)
+        dec.plan = plan
+        self.capture_ms = 1e3 * (time.perf_counter() - start)
+        return dec
+
+    def _graphed(self, prompt, drafter, settings, draft_settings, eos) -> Iterator[StepRecord]:
+        dec = self.decoder(drafter, settings, draft_settings)
+        before = dec.capture_ms
+        c = self.target.config
+        produced, pending, n = 0, 0, settings.max_new_tokens
+        for index, step in enumerate(dec.steps(prompt, n)):
+            tree, out = step.tree, step.outcome
+            acc = Acceptance(out.path, [tree.tokens[i] for i in out.path[1:]], out.bonus, step.choice)
+            new_tokens = (acc.tokens + [acc.bonus])[:n - produced]
+            if settings.stop_at_eos and eos is not None and eos in new_tokens:
+                new_tokens = new_tokens[:new_tokens.index(eos) + 1]
+            record = StepRecord(
+                index=index, tree=tree, acceptance=acc, mode=step.mode,
+                draft_probs=_probs(tree), target_probs=step.target_prob,
+                commit=commit_info(c, self.dtype, len(tree), len(out.path), pending, settings.deferred),
+                times_ms=step.times_ms, details=step.details, new_tokens=new_tokens)
+            record.elapsed_ms = sum(step.times_ms.values())
+            record.backend = "graphed"
+            pending = len(out.path) if settings.deferred else 0
+            produced += len(new_tokens)
+            yield record
+            if produced >= n or (settings.stop_at_eos and eos in new_tokens):
+                break
+        # captures inside the decode (a host drafter's new bucket) are reported, never timed
+        self.capture_ms += dec.capture_ms - before
+
+
+def _device_blocker(drafter, settings: DecodeSettings, draft_settings: DraftSettings) -> str | None:
+    """Why these settings cannot draft on the device (None: they can)."""
+    if settings.temperature > 0:
+        return "temperature > 0 (the device drafters draft greedily)"
+    if getattr(drafter, "paths", None):
+        return "a tree preset (device drafters grow chains, beams and best-first trees)"
+    if settings.mode not in ("auto", "chain", "tree") and draft_settings.tree != "chain":
+        return f"verification mode {settings.mode!r} (a device-grown tree is verified in tree mode)"
+    return None
+
+
+def _draft_settings(settings: DecodeSettings, draft_settings: DraftSettings) -> DraftSettings:
+    return dataclasses.replace(draft_settings, temperature=settings.temperature)
+
+
+def _capacity(n: int) -> int:
+    """Tokens a decoder is built for: powers of two from 256, so a few sizes share graphs."""
+    size = 256
+    while size < n + 8:
+        size *= 2
+    return size
+
+
+def _preset_size(drafter) -> int:
+    paths = getattr(drafter, "paths", None)
+    return len(paths) if paths else 0
+
+
+def _probs(tree: DraftTree) -> list[float]:
+    if tree.logprobs is None:
+        return [1.0] * len(tree)
+    return torch.tensor(tree.logprobs).exp().tolist()

@@ -1,0 +1,143 @@
+"""The engine's two backends give the same decode: eager (the reference) and CUDA graphs.
+
+For every drafter x tree shape x deferred commit, both backends give the same tokens, the
+same accepted lengths, the same draft trees and the same target choices, step by step, in
+fp32 (on the CPU the graphed bodies run eagerly, `use_graph=False`; the `gpu` cases capture
+them). The trained embedded pair is used where its assets exist, so drafts are accepted.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specla.decode import DecodeSettings, replay_state
+from specla.drafters.base import DraftSettings
+from specla.engine import Engine
+from specla.trace import step_to_dict
+
+ROOT = Path(__file__).resolve().parent.parent
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: graphs are captured only there")
+SHAPES = {"chain": DraftSettings(tree="chain", top_k=4, budget=7, block_size=8, depth=6),
+          "best-first": DraftSettings(tree="best-first", top_k=4, budget=10, block_size=8, depth=6),
+          "beam": DraftSettings(tree="beam", top_k=3, budget=9, block_size=8, depth=4)}
+CASES = [(kind, shape, deferred) for kind in ("block", "lilicorr", "eagle")
+         for shape in ("chain", "best-first") for deferred in (True, False)]
+CASES += [("block", "beam", True), ("lilicorr", "beam", True)]
+
+
+def embedded(device: str):
+    """(target fp32, drafters, two held-out-style prompts) or a skip."""
+    if not (ROOT / "assets" / "target" / "config.json").exists():
+        pytest.skip("the embedded model is absent")
+    from specla.checkpoint import load_model
+    from specla.drafters import load_drafter
+
+    target, tokenizer, _ = load_model(ROOT / "assets" / "target", device=device, dtype=torch.float32)
+    drafters = {kind: load_drafter(ROOT / "assets" / "drafters" / kind, target) for kind in ("block", "lilicorr", "eagle")}
+    lines = (ROOT / "examples" / "prompts.jsonl").read_text().splitlines()[:2]
+    prompts = [tokenizer.encode(json.loads(line)["prompt"], add_special_tokens=False) for line in lines]
+    return target, drafters, prompts
+
+
+@pytest.fixture(scope="module")
+def cpu_pair():
+    torch.set_num_threads(2)
+    return embedded("cpu")
+
+
+def compare(eager: Engine, graphed: Engine, prompt, drafter, settings, ds, near_tie: float = 0.0):
+    """Both backends' records, step by step; fp32 on one device must agree exactly."""
+    a = list(eager.speculate(prompt, drafter, settings, ds))
+    b = list(graphed.speculate(prompt, drafter, settings, ds))
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x.tree.tokens == y.tree.tokens and x.tree.parents == y.tree.parents, f"step {i}: trees differ"
+        assert x.acceptance.path == y.acceptance.path and x.acceptance.bonus == y.acceptance.bonus, f"step {i}"
+        assert x.new_tokens == y.new_tokens
+        path_choice = [x.acceptance.target_choice[n] for n in x.acceptance.path]
+        assert path_choice == [y.acceptance.target_choice[n] for n in y.acceptance.path]
+        assert max(abs(p - q) for p, q in zip(x.target_probs, y.target_probs)) < 1e-3
+        assert max(abs(p - q) for p, q in zip(x.draft_probs, y.draft_probs)) < 1e-3
+        assert set(step_to_dict(x)) == set(step_to_dict(y)), "both backends fill the same trace fields"
+        assert y.backend == "graphed" and y.elapsed_ms > 0
+    assert len(a) == len(b)
+    return a, b
+
+
+@pytest.mark.parametrize("kind,shape,deferred", CASES)
+def test_graphed_backend_equals_eager_fp32(cpu_pair, kind, shape, deferred):
+    target, drafters, prompts = cpu_pair
+    eager, graphed = Engine(target, "eager"), Engine(target, "graphed", use_graph=False)
+    settings = DecodeSettings(max_new_tokens=24, deferred=deferred)
+    accepted = 0
+    for prompt in prompts[:1 if deferred is False else 2]:
+        a, _ = compare(eager, graphed, prompt, drafters[kind], settings, SHAPES[shape])
+        accepted += sum(len(r.acceptance.tokens) for r in a)
+    assert accepted > 0, "no draft accepted: the comparison would only cover rejections"
+    plan = graphed.plan(drafters[kind], settings, SHAPES[shape])
+    assert plan.drafting == ("host" if kind == "eagle" else "device"), plan
+
+
+def test_graphed_state_equals_a_replay(cpu_pair):
+    """After a device-drafted tree decode, the state (pending commit folded) equals feeding the
+    same tokens one at a time."""
+    target, drafters, prompts = cpu_pair
+    graphed = Engine(target, "graphed", use_graph=False)
+    settings = DecodeSettings(max_new_tokens=20)
+    records = list(graphed.speculate(prompts[0], drafters["lilicorr"], settings, SHAPES["best-first"]))
+    made = [t for r in records for t in r.acceptance.tokens + [r.acceptance.bonus]]
+    dec = graphed.decoder(drafters["lilicorr"], settings, SHAPES["best-first"])
+    state = dec.state_after()
+    want = replay_state(target, prompts[0] + made[:-1])
+    assert torch.allclose(state.recurrent, want.recurrent, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(state.conv[..., 1:], want.conv, rtol=1e-4, atol=1e-5)
+
+
+def test_plan_says_where_a_step_runs(cpu_pair):
+    target, drafters, _ = cpu_pair
+    graphed = Engine(target, "graphed", use_graph=False)
+    greedy, sampled = DecodeSettings(), DecodeSettings(temperature=0.7)
+    assert graphed.plan(drafters["block"], greedy, SHAPES["best-first"]).drafting == "device"
+    plan = graphed.plan(drafters["block"], sampled, SHAPES["chain"])
+    assert (plan.drafting, plan.acceptance) == ("host", "host") and "temperature" in plan.note
+    plan = graphed.plan(drafters["eagle"], greedy, SHAPES["chain"])
+    assert plan.drafting == "host" and "eagle" in plan.note
+    assert Engine(target, "eager").plan(drafters["block"], greedy, SHAPES["chain"]).backend == "eager"
+    with pytest.raises(ValueError, match="backend"):
+        Engine(target, "fast")
+
+
+def test_graphed_sampling_equals_eager_sampling(cpu_pair):
+    """Sampling on the graphed backend (verify graphed, rejection sampling on the host) draws
+    the same tokens as the eager loop from the same seed."""
+    target, drafters, prompts = cpu_pair
+    eager, graphed = Engine(target, "eager"), Engine(target, "graphed", use_graph=False)
+    for kind, shape in (("block", "chain"), ("eagle", "best-first")):
+        settings = DecodeSettings(max_new_tokens=20, temperature=0.8, seed=3)
+        a = [t for r in eager.speculate(prompts[0], drafters[kind], settings, SHAPES[shape]) for t in r.new_tokens]
+        b = [t for r in graphed.speculate(prompts[0], drafters[kind], settings, SHAPES[shape]) for t in r.new_tokens]
+        assert a == b, kind
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,shape,deferred", CASES)
+def test_graphed_backend_equals_eager_fp32_cuda(kind, shape, deferred):
+    """Captured graphs on the GPU against the eager loop on the same GPU, fp32: the same steps
+    (fused kernels round differently; a flip is allowed only at an fp32 near-tie)."""
+    target, drafters, prompts = embedded("cuda")
+    eager, graphed = Engine(target, "eager"), Engine(target, "graphed")
+    settings = DecodeSettings(max_new_tokens=48, deferred=deferred)
+    for prompt in prompts:
+        try:
+            compare(eager, graphed, prompt, drafters[kind], settings, SHAPES[shape])
+        except AssertionError:
+            ar = eager.ar(prompt, settings).tokens
+            out = [t for r in graphed.speculate(prompt, drafters[kind], settings, SHAPES[shape]) for t in r.new_tokens]
+            i = next((j for j, (x, y) in enumerate(zip(ar, out)) if x != y), None)
+            assert i is not None, "records differ although the outputs agree"
+            d = graphed.divergence(prompt, out, i, ar[i])
+            assert d["top2_gap"] < 1e-3, f"graphed output left AR beyond an fp32 near-tie: {d}"
