@@ -138,9 +138,25 @@ class Engine:
                 commit(state, out.factors, [0])
             row = out.logits[0, 0].float()
         top2 = row.topk(2).values
+        gap = float(row[ar_token] - row[tokens[position]])
+        noise = self.noise(prompt, tokens[:position])
+        # each of the two logits moves by at most `noise` between the two paths: a flip needs
+        # gap <= 2 x noise (the rule the bench's oracle rows use too)
         return {"position": position, "token": tokens[position], "ar_token": ar_token,
-                "logit_gap": round(float(row[ar_token] - row[tokens[position]]), 6),
-                "top2_gap": round(float(top2[0] - top2[1]), 6)}
+                "logit_gap": round(gap, 6), "top2_gap": round(float(top2[0] - top2[1]), 6),
+                "noise": round(noise, 6), "near_tie": gap <= 2 * noise}
+
+    @torch.no_grad()
+    def noise(self, prompt: list[int], tokens: list[int], n: int = 16) -> float:
+        """The largest logit difference between a speculative forward and AR steps over the same
+        tokens (0 eagerly: the very same operations)."""
+        if self.backend == "eager" or not tokens:
+            return 0.0
+        from specla.graphs.spec import spec_vs_ar_noise
+
+        ar = self._graphed_ar(DecodeSettings(max_new_tokens=n + 1))
+        state0 = self.packed.prefill(prompt)[0]
+        return spec_vs_ar_noise(self.packed, ar, state0, prompt[-1], tokens[:n], n, self.recurrence)
 
     # -- speculation -----------------------------------------------------------------------
     def plan(self, drafter, settings: DecodeSettings, draft_settings: DraftSettings) -> Plan:

@@ -1,10 +1,11 @@
 """The benchmark report is internally consistent.
 
 Runs `python -m specla bench --device cpu --suite e2e --quick` through `specla.bench.main`
-on a tiny random target with the oracle drafter (the hidden `--tiny` flag), then checks that
-every derived number in e2e.json is what the numbers it comes from say: a speedup is the
-ratio of the two medians, tau is tokens over target forwards, tokens/s mirror ms/token, and
-the stats agree with their values.
+on a tiny random target with the oracle drafter (the hidden `--tiny` flag): the rows are
+measured through the app's own service layer (`specla.runner.run`). Then checks that every
+derived number in e2e.json is what the numbers it comes from say: a speedup is the ratio of
+the two medians, tau is tokens over target forwards, tokens/s mirror ms/token, and the stats
+agree with their values.
 """
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import math
 import pytest
 
 from specla import bench
-from specla.graphs.ar import GraphedAR
-from specla.graphs.runtime import PackedTarget
+from specla.bench import common, head, report
+from specla.engine import Engine
 
 TOKENS, PROMPTS = 24, 2
 
@@ -88,9 +89,18 @@ def test_time_split_is_per_step_and_bounded(rows):
         assert sum(split.values()) < 5 * spec_ms_per_step + 1.0
 
 
+def test_rows_are_what_the_app_measures(rows):
+    """Each row comes from runner.run's traces: the engine that ran it, a speedup per prompt
+    whose pooled value the row's speedup summarises."""
+    for r in rows:
+        assert r["engine"]["backend"] == "eager" and r["app_settings"]["drafter"] == "oracle"
+        assert len(r["speedup_per_prompt"]) == PROMPTS
+        assert min(r["speedup_per_prompt"]) * 0.5 <= r["speedup"] <= max(r["speedup_per_prompt"]) * 2
+
+
 def test_speculation_is_exact_in_fp32(rows):
     for r in rows:
-        assert r["exact"]["mismatching_prompts"] == 0, r["exact"]
+        assert r["exact"]["diverging_prompts"] == 0 and r["exact"]["unexcused"] == 0, r["exact"]
 
 
 def test_render_rewrites_the_report(out):
@@ -100,84 +110,49 @@ def test_render_rewrites_the_report(out):
 
 
 def test_stat_and_timing_helpers():
-    s = bench.stat([3.0, 1.0, 2.0])
+    s = common.stat([3.0, 1.0, 2.0])
     assert (s["runs"], s["median"], s["min"], s["max"]) == (3, 2.0, 1.0, 3.0)
-    t = bench.timing([10.0, 20.0], tokens=10, bytes_per_step=2_000_000, floor_ms=0.5)
+    t = common.timing([10.0, 20.0], tokens=10, bytes_per_step=2_000_000, floor_ms=0.5)
     assert t["ms_per_token"]["median"] == 1.5
     assert math.isclose(t["achieved_GBps"], 2_000_000 / (1.5 * 1e6))
     assert math.isclose(t["fraction_of_floor"], 0.5 / 1.5)
-    assert bench.ratio(None, 1.0) is None and bench.ratio(3.0, 1.5) == 2.0
+    assert common.ratio(None, 1.0) is None and common.ratio(3.0, 1.5) == 2.0
 
 
-def test_lilicorr_head_share_is_its_time_over_the_step(tmp_path):
-    """The head's cost next to the step it rides on: shares are the ratios of the numbers
-    reported beside them (CPU: eager timings only)."""
-    import dataclasses
-
-    import torch
-
-    from specla.drafters import new_drafter
-    from specla.drafters.base import DraftSettings
-    from tests.helpers import random_target
-
-    target = random_target()
-    drafter = new_drafter("lilicorr", target, block_size=4, top_k=4, width=32, heads=2, layers=1,
-                          mlp_hidden=64, head={"width": 32, "heads": 2, "layers": 1, "mlp_hidden": 64})
-    drafter.ctx = torch.randn(5, drafter.net.config.width)
-    settings = DraftSettings(tree="chain", block_size=4, top_k=4, budget=3)
-    row = {"drafter": "lilicorr", "settings": "chain", "tau": 2.0,
-           "ms_per_token": {"median": 3.0}, "time_split_ms_per_step": {"graph": 1.0},
-           "draft_settings": dataclasses.asdict(settings)}
-    cost = bench.lilicorr_head_overhead(drafter, [row])
-    assert cost["slots"] == 3 and cost["top_k"] == 4
-    assert cost["measured_step_ms"] == 6.0
-    head_ms = cost["head_eager_ms"]["median"]
-    assert head_ms > 0 and math.isclose(cost["head_eager_share_of_measured_step"], head_ms / 6.0)
-    assert "head_graph_ms" not in cost                   # graphs only on CUDA
-    assert bench.lilicorr_head_overhead(drafter, [])["skipped"]
-
-
-def test_device_graphed_rows_and_head_share():
-    """The device-graphed chain rows of the GPU pair suite, run eagerly on a tiny random pair:
-    the derived numbers follow from the measured ones, the output is exact, the head share is
-    the step difference over the LiLiCorr step, and the report renders the rows."""
+def test_engine_chain_rows_and_head_share():
+    """The head suite's rows, run through the engine on a tiny random pair (graphed bodies run
+    eagerly on the CPU): the derived numbers follow from the measured ones, the output is
+    exact, and the head share is the step difference over the LiLiCorr step."""
     import torch
 
     from specla.drafters import new_drafter
     from tests.helpers import random_target
 
     target = random_target()
-    rt = PackedTarget(target)
-    n, prompts = 16, [bench.random_prompt(128, 10, s) for s in range(2)]
-    ref = bench.PairReference(rt, GraphedAR(rt, max_len=n + 16), prompts, n)
+    engine = Engine(target, "graphed")
+    n, prompts = 16, [common.random_prompt(128, 10, s) for s in range(2)]
     rows = []
     for kind in ("lilicorr", "block"):
         torch.manual_seed(1)
         kw = {"head": {"width": 32, "heads": 2, "layers": 1, "mlp_hidden": 64}} if kind == "lilicorr" else {}
         drafter = new_drafter(kind, target, feature_layers=(0, 1), block_size=4, top_k=4, width=32,
                               heads=2, layers=1, mlp_hidden=64, window=8, **kw)
-        settings = dict(bench.drafter_settings(kind, drafter))["chain"]
-        row = {"name": f"{kind}/{bench.DEVICE_LABEL}", "kind": "drafter", "drafter": kind,
-               "settings": bench.DEVICE_LABEL,
-               **bench.device_chain_row(rt, drafter, settings, prompts, n, ref)}
+        settings = dict(common.drafter_settings(kind, drafter))["chain"]
+        row = {"name": f"{kind}/{head.DEVICE_LABEL}", "kind": "drafter", "drafter": kind,
+               "settings": head.DEVICE_LABEL, **head.engine_chain_row(engine, drafter, settings, prompts, n)}
         assert row["exact"]["diverging_prompts"] == 0, row["exact"]
-        assert row["tokens"] >= n * len(prompts)
+        assert row["tokens"] == n * len(prompts)
         assert math.isclose(row["tau"], row["tokens"] / row["target_forwards"])
         assert math.isclose(row["speedup"], row["ar_ms_per_token"]["median"] / row["ms_per_token"]["median"])
         split = row["time_split_ms_per_step"]
-        assert {"verify", "accept_commit", "draft", "launch_and_readbacks"} <= set(split)
-        assert math.isclose(row["gpu_step_ms"], split["verify"] + split["accept_commit"] + split["draft"])
-        assert math.isclose(row["bound"], row["tau"] * row["ar_ms_per_token"]["median"] / split["verify"])
+        assert set(split) == {"verify", "accept", "draft"}
+        assert math.isclose(row["gpu_step_ms"], sum(split.values()))
         rows.append(row)
-    share = bench.device_head_share(rows)
+    share = head.head_share(rows)
     l_ms, b_ms = share["lilicorr_step_ms"], share["block_step_ms"]
     assert l_ms == rows[0]["step_ms"]["median"] and b_ms == rows[1]["step_ms"]["median"]
     assert math.isclose(share["head_share_of_graphed_step"], (l_ms - b_ms) / l_ms)
-    assert bench.device_head_share(rows[1:])["skipped"]
-    report = "\n".join(bench._md_e2e({"pair": {"prompts": 2, "new_tokens": n, "rows": rows,
-                                               "lilicorr_head_device": share}}))
-    assert f"lilicorr/{bench.DEVICE_LABEL}" in report and f"block/{bench.DEVICE_LABEL}" in report
-    assert "LiLiCorr head inside the device-graphed step" in report
+    assert head.head_share(rows[1:])["skipped"]
 
 
 def test_head_suite_measures_the_share_on_a_tiny_target(tmp_path):
@@ -203,21 +178,6 @@ def test_head_suite_needs_a_gpu_at_full_size(tmp_path):
     assert "needs a GPU" in json.loads((tmp_path / "head.json").read_text())["skipped"]
 
 
-def test_device_variants_cover_every_head_share():
-    """Each head-share key compares a LiLiCorr row that the device rows produce with the block
-    row of the same kind (compiled or not); without --compile-drafter no compiled rows."""
-    variants = bench.device_variants({"lilicorr": None, "block": None}, compile_too=True)
-    labels = [(kind, label) for kind, _, _, label in variants]
-    assert len(set(labels)) == len(labels) == 6
-    for _, label in bench.HEAD_SHARES:
-        assert ("lilicorr", label) in labels
-    assert ("block", bench.DEVICE_LABEL) in labels and ("block", bench.COMPILED_LABEL) in labels
-    fused = {label for kind, _, f, label in variants if f}
-    assert fused == {"chain (device-graphed, fused head)", "chain (device-graphed, compiled, fused head)"}
-    assert not any(c for _, c, _, _ in bench.device_variants({"lilicorr": None, "block": None}, False))
-    assert [k for k, *_ in bench.device_variants({"block": None}, False)] == ["block"]
-
-
 def test_targets_say_met_or_by_how_much_missed():
     """The report's verdicts come from the best exact row of each group, the shortfall is the
     target over that speedup, and the free-draft bound drops the draft phase from the step."""
@@ -233,14 +193,14 @@ def test_targets_say_met_or_by_how_much_missed():
              row("block", 0.8, 2.4, {"verify": 0.28, "accept_commit": 0.12, "draft": 0.12}),
              row("wrong", 9.0, 5.0, {"verify": 0.1, "draft": 0.1}, exact=2),       # not exact: ignored
              {"name": "cut", "skipped": "deadline"}]}}
-    found = {t["target"]: t for t in bench.targets(e)}
+    found = {t["target"]: t for t in report.targets(e)}
     assert found["oracle"]["met"] and found["oracle"]["row"] == "chain-8" and found["oracle"]["missed_by"] is None
     assert math.isclose(found["oracle"]["free_draft_bound"], 4.7 * 1.44 / 2.1)
     pair = found["pair_cuda"]
     assert pair["row"] == "block" and not pair["met"]
     assert math.isclose(pair["missed_by"], 2.5 / 0.8)
     assert math.isclose(pair["free_draft_bound"], 2.4 * 0.2 / 0.40)
-    text = "\n".join(bench._md_targets(e))
+    text = "\n".join(report._md_targets(e))
     assert "missed by a factor of 3.12" in text and "target 2.5x, best 3.10x (chain-8), met" in text
     e["pair"]["device"] = "cpu"
-    assert bench.targets(e)[1]["goal"] == 1.5
+    assert report.targets(e)[1]["goal"] == 1.5

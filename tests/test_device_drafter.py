@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specla.bench.measure import spec_vs_ar_noise
+from specla.graphs.spec import spec_vs_ar_noise
 from specla.decode import DecodeSettings, ar_generate
 from specla.drafters import new_drafter
 from specla.drafters.base import Accepted, DraftContext, DraftSettings

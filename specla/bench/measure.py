@@ -9,10 +9,9 @@ import torch
 
 from specla.config import GDNConfig
 from specla.graphs.ar import GraphedAR
-from specla.graphs.runtime import PackedTarget, StaticState, Stopwatch, capture, sync
-from specla.graphs.spec import GraphedSpec, SpecState, phase_times
+from specla.graphs.runtime import StaticState, Stopwatch, capture, sync
+from specla.graphs.spec import GraphedSpec, phase_times
 from specla.model import GDNForCausalLM
-from specla.tree import DraftTree
 
 
 @dataclasses.dataclass
@@ -98,22 +97,6 @@ def oracle_split(spec: GraphedSpec, snapshot: StaticState, root: int, steps: int
     spec.state.reset(snapshot, root)
     spec.draft()
     return phase_times(spec, steps)
-
-
-@torch.no_grad()
-def spec_vs_ar_noise(rt: PackedTarget, ar: GraphedAR, snapshot: StaticState, root: int,
-                     continuation: list[int], n: int = 16, recurrence: str = "kernels") -> float:
-    """Max |logit difference| between one speculative chain forward and AR steps over the
-    same tokens from the same state: the rounding noise a greedy flip must be within."""
-    n = min(n, len(continuation))
-    forced = continuation[:n - 1]
-    ar_logits = ar.logits_along(snapshot, root, forced)                   # [n, V]
-    state = SpecState(rt, max_path=n, capacity=n + 4)
-    spec = GraphedSpec(rt, state, DraftTree.chain([root] + forced), mode="auto", use_graph=False,
-                       recurrence=recurrence)
-    state.reset(snapshot, root)
-    spec.verify()
-    return float((spec.logits - ar_logits).abs().max().item())
 
 
 def fla_config(config: GDNConfig):

@@ -57,7 +57,9 @@ class DeviceBlockDrafter:
         self.settings = settings
         self.slots = settings.block_size - 1                 # slots of the block pass / lattice
         self.shape, self.budget, self.prune_tau = settings.tree, settings.budget, settings.prune_tau
-        self.lilicorr = isinstance(drafter, LiLiCorrDrafter) and net.head is not None
+        # top-1 needs no head: a LiLiCorr drafter at top-k 1 drafts the block drafter's chain
+        self.lilicorr = isinstance(drafter, LiLiCorrDrafter) and net.head is not None and settings.top_k > 1
+        self.single_candidate = isinstance(drafter, LiLiCorrDrafter) and not self.lilicorr  # log-prob 0, as the host
         self.top_k = settings.top_k
         self.kind = "lilicorr" if self.lilicorr else "block"
         self.nodes = tree_nodes(self.shape, self.top_k, self.budget, self.slots)
@@ -211,7 +213,7 @@ class DeviceBlockDrafter:
                 tokens = cand.gather(1, ranks[:, None])[:, 0]
                 logp = torch.log_softmax(rows.float(), -1).gather(1, ranks[:, None])[:, 0]
             else:
-                tokens, logp = cand[:, 0], cand_logp[:, 0]
+                tokens, logp = cand[:, 0], cand_logp[:, 0] * (0.0 if self.single_candidate else 1.0)
             real = torch.ones(n + 1, dtype=torch.bool, device=root.device)
             return GrownTree(torch.cat([root, tokens[:n]]), torch.arange(-1, n, device=root.device),
                              torch.cat([torch.zeros(1, device=root.device), logp[:n]]), real)

@@ -511,3 +511,19 @@ def phase_times(spec: GraphedSpec, steps: int) -> dict:
     gaps = clock.read()
     names = ("verify", "accept_commit", "draft")
     return {name: sum(gaps[i::3]) / max(steps, 1) for i, name in enumerate(names)}
+
+
+@torch.no_grad()
+def spec_vs_ar_noise(rt: PackedTarget, ar, snapshot: StaticState, root: int,
+                     continuation: list[int], n: int = 16, recurrence: str = "kernels") -> float:
+    """Max |logit difference| between one speculative chain forward and AR steps over the
+    same tokens from the same state: the rounding noise a greedy flip must be within."""
+    n = min(n, len(continuation))
+    forced = continuation[:n - 1]
+    ar_logits = ar.logits_along(snapshot, root, forced)                   # [n, V]
+    state = SpecState(rt, max_path=n, capacity=n + 4)
+    spec = GraphedSpec(rt, state, DraftTree.chain([root] + forced), mode="auto", use_graph=False,
+                       recurrence=recurrence)
+    state.reset(snapshot, root)
+    spec.verify()
+    return float((spec.logits - ar_logits).abs().max().item())
