@@ -31,6 +31,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drafters", default=None,
                    help="folder with <kind>/ drafter checkpoints (default: assets/drafters)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="target precision (auto: fp32 on the CPU and for small models on a GPU, else bf16)")
+    p.add_argument("--backend", choices=("auto", "eager", "graphed"), default="auto",
+                   help="decoding backend (auto: CUDA graphs on a GPU, the eager loop on the CPU)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", 7860)))
     p.add_argument("--queue-limit", "--share-queue-limit", dest="queue_limit", type=int, default=1,
@@ -51,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    runtime = runner.load_runtime(args.model, args.drafters, args.device)
+    runtime = runner.load_runtime(args.model, args.drafters, args.device, args.dtype, args.backend)
 
     @gpu
     def run_on_device(prompt: str, settings: dict):

@@ -12,9 +12,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specla.decode import DecodeSettings, ar_generate, speculative_steps
+from specla.decode import DecodeSettings
 from specla.drafters.base import DraftSettings
 from specla.drafters.oracle import OracleDrafter
+from specla.engine import Engine
+
+
+def as_engine(target_or_engine) -> Engine:
+    """An engine (a bare target decodes on the eager backend)."""
+    return target_or_engine if isinstance(target_or_engine, Engine) else Engine(target_or_engine, "eager")
 
 
 def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
@@ -95,6 +101,8 @@ def exactness(target, tokenize, prompts: list[str], modes: list[str], deferred: 
     drafter (alpha 0.8): a chain for mode 'chain', a tree otherwise. A mismatch at a position
     where AR's top-2 logit gap is below `near_tie` is counted as a near-tie, not a mismatch.
     """
+    engine = as_engine(target)
+    target = engine.target
     results, total, total_ties = [], 0, 0
     for mode in modes:
         for lazy in deferred:
@@ -104,18 +112,18 @@ def exactness(target, tokenize, prompts: list[str], modes: list[str], deferred: 
                 tokens = tokenize(prompt)
                 settings = DecodeSettings(max_new_tokens=max_new_tokens, temperature=temperature,
                                           mode=mode, deferred=lazy, seed=i)
-                ar = ar_generate(target, tokens, settings)
+                ar = engine.ar(tokens, settings)
                 if drafter_factory is None:
                     drafter = OracleDrafter(ar.tokens + [0] * 64, target.config.vocab_size, alpha=0.8,
                                             shape="chain" if mode == "chain" else "tree", seed=i)
                 else:
                     drafter = drafter_factory(tokens, ar.tokens, mode)
-                spec = [t for r in speculative_steps(target, drafter, tokens, settings,
-                                                     DraftSettings(budget=8, top_k=3)) for t in r.new_tokens]
+                spec = [t for r in engine.speculate(tokens, drafter, settings, DraftSettings(budget=8, top_k=3))
+                        for t in r.new_tokens]
                 if temperature > 0 or spec == ar.tokens:
                     continue
                 first = next(j for j, (a, b) in enumerate(zip(spec, ar.tokens)) if a != b)
-                gap = top2_gaps(target, tokens, ar.tokens[:first + 1])[first]
+                gap = engine.divergence(tokens, spec, first, ar.tokens[first])["top2_gap"]
                 if gap < near_tie:
                     ties += 1
                 else:
@@ -130,16 +138,18 @@ def exactness(target, tokenize, prompts: list[str], modes: list[str], deferred: 
 
 def measure_acceptance(target, tokenize, prompts: list[str], drafter, draft_settings: DraftSettings,
                        max_new_tokens: int, check_exact: bool = True) -> dict:
-    """tau and acceptance statistics of `drafter` at temperature 0 (checked against AR)."""
+    """tau and acceptance statistics of `drafter` at temperature 0 (checked against AR).
+    `target` is an Engine (or a bare target, decoded eagerly)."""
+    engine = as_engine(target)
     parts, mismatches = [], 0
     for prompt in tqdm(prompts, desc=f"acceptance {drafter.name}", leave=False):
         tokens = tokenize(prompt)
         settings = DecodeSettings(max_new_tokens=max_new_tokens, mode="auto", deferred=True)
-        records = list(speculative_steps(target, drafter, tokens, settings, draft_settings))
+        records = list(engine.speculate(tokens, drafter, settings, draft_settings))
         parts.append(accept_stats(records))
         if check_exact:
             spec = [t for r in records for t in r.new_tokens]
-            mismatches += spec != ar_generate(target, tokens, settings).tokens
+            mismatches += spec != engine.ar(tokens, settings).tokens
     out = merge_stats(parts)
     out["prompts"] = len(prompts)
     out["mismatching_prompts"] = mismatches if check_exact else None

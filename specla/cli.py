@@ -54,41 +54,53 @@ def _load_drafter(kind: str, model, args):
     return load_drafter(path, model)
 
 
+def _engine(model, args):
+    from specla.engine import Engine
+    return Engine(model, args.backend)
+
+
 def cmd_generate(args) -> dict:
-    from specla.decode import DecodeSettings, ar_generate, speculative_steps
+    from specla.decode import DecodeSettings
     from specla.drafters.base import DraftSettings
 
     model, tokenizer = _load(args)
+    engine = _engine(model, args)
     prompt = _checked_tokens(model, tokenizer, args.prompt)
     settings = DecodeSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_p=args.top_p, seed=args.seed, stop_at_eos=True)
     eos = getattr(tokenizer, "eos_token_id", None)
     start = time.perf_counter()
+    plan = None
     if args.drafter:
         drafter = _load_drafter(args.drafter, model, args)
-        records = list(speculative_steps(model, drafter, prompt, settings,
-                                         DraftSettings(tree=args.tree, top_k=args.top_k,
-                                                       budget=args.budget), eos_token_id=eos))
+        draft = DraftSettings(tree=args.tree, top_k=args.top_k, budget=args.budget)
+        plan = engine.plan(drafter, settings, draft)
+        records = list(engine.speculate(prompt, drafter, settings, draft, eos_token_id=eos))
         tokens = [t for r in records for t in r.new_tokens]
         forwards = len(records)
+        decode_ms = sum(r.elapsed_ms for r in records)
     else:
-        tokens = ar_generate(model, prompt, settings, eos_token_id=eos).tokens
-        forwards = len(tokens)
+        ar = engine.ar(prompt, settings, eos_token_id=eos)
+        tokens, forwards = ar.tokens, len(ar.tokens)
+        decode_ms = ar.ms_per_token * len(tokens)
     seconds = time.perf_counter() - start
     text = tokenizer.decode(tokens)
     print(args.prompt + text)
-    rate = len(tokens) / seconds if seconds > 0 else 0.0
-    print(f"-- {len(tokens)} tokens in {seconds:.2f} s = {rate:.1f} tokens/s on {model.device} "
-          f"({forwards} target forwards)", file=sys.stderr)
+    rate = 1e3 * len(tokens) / decode_ms if decode_ms > 0 else 0.0
+    how = f"{engine.backend} backend" + (f", {plan.drafting} drafting" if plan else "")
+    print(f"-- {len(tokens)} tokens at {rate:.1f} tokens/s decoding ({seconds:.2f} s with set-up) on "
+          f"{model.device}, {how} ({forwards} target forwards)" + (f"; {plan.note}" if plan and plan.note else ""),
+          file=sys.stderr)
     return {"text": text, "token_ids": tokens, "tokens_per_s": round(rate, 3),
-            "device": str(model.device), "target_forwards": forwards,
-            "drafter": args.drafter or None}
+            "device": str(model.device), "backend": engine.backend, "target_forwards": forwards,
+            "drafter": args.drafter or None, "drafting": plan.drafting if plan else None}
 
 
 def cmd_exactness(args) -> dict:
     from specla.acceptance import exactness, read_prompts
 
     model, tokenizer = _load(args)
+    engine = _engine(model, args)
     prompts = read_prompts(args.prompts, args.limit)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     deferred = [{"on": True, "off": False}[d.strip()] for d in args.deferred.split(",")]
@@ -96,8 +108,9 @@ def cmd_exactness(args) -> dict:
     if args.drafter != "oracle":
         drafter = _load_drafter(args.drafter, model, args)
         factory = lambda prompt, ar_tokens, mode: drafter  # noqa: E731 (reset() starts each run)
-    out = exactness(model, lambda t: _checked_tokens(model, tokenizer, t), prompts, modes, deferred,
+    out = exactness(engine, lambda t: _checked_tokens(model, tokenizer, t), prompts, modes, deferred,
                     args.temperature, args.max_new_tokens, factory, near_tie=args.near_tie)
+    out["backend"] = engine.backend
     for r in out["results"]:
         print(f"{r['mode']:>6} {'deferred' if r['deferred'] else 'immediate':>9}: "
               f"{r['mismatching_prompts']} mismatching / {r['prompts']} prompts, {r['near_ties']} near-ties")
@@ -109,15 +122,16 @@ def cmd_acceptance(args) -> dict:
     from specla.drafters.base import DraftSettings
 
     model, tokenizer = _load(args)
+    engine = _engine(model, args)
     prompts = read_prompts(args.prompts, args.limit)
     drafter = _load_drafter(args.drafter, model, args)
     ds = DraftSettings(tree=args.tree, top_k=args.top_k, budget=args.budget,
                        block_size=args.block_size, depth=args.depth, prune_tau=args.prune_tau)
     ds.validate(model.config.vocab_size)
-    out = measure_acceptance(model, lambda t: _checked_tokens(model, tokenizer, t), prompts,
+    out = measure_acceptance(engine, lambda t: _checked_tokens(model, tokenizer, t), prompts,
                              drafter, ds, args.max_new_tokens)
     out.update(drafter=args.drafter, tree=args.tree, top_k=args.top_k, budget=args.budget,
-               block_size=args.block_size)
+               block_size=args.block_size, backend=engine.backend)
     print(f"tau = {out['tau']} over {out['prompts']} prompts ({out['target_forwards']} forwards); "
           f"histogram {out['accept_hist']}; per position {out['per_position_acceptance']}")
     return out
@@ -128,6 +142,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="checkpoint folder (fla/HF layout) or a hub id (online only); "
                         "default: the embedded model in assets/target")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    p.add_argument("--backend", choices=("auto", "eager", "graphed"), default="auto",
+                   help="decoding backend: graphed (CUDA graphs), eager (plain PyTorch, the reference) or "
+                        "auto (default: graphed on CUDA)")
     p.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
 
 

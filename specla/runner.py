@@ -167,14 +167,23 @@ def tiny_random_runtime(seed: int = 0, device: str = "cpu", note: str = "",
                    note=note, labels={kind: f"{kind} (random weights)" for kind in random_drafters})
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+SMALL_MODEL_PARAMS = 100_000_000   # "auto" runs targets below this in fp32 on a GPU
+
+
 def load_runtime(model: str | None = None, drafters: str | None = None,
-                 device: str | None = None) -> Runtime:
+                 device: str | None = None, dtype: str = "auto", backend: str = "auto") -> Runtime:
     """The target (default: assets/target), its drafters (default: assets/drafters/<kind>/).
 
     Without a model in assets/ (and none given), a tiny random demo runtime is returned
     with a note saying so. The oracle drafter is always offered, labelled as measurement.
+    dtype: bf16 | fp32 | auto (fp32 on the CPU; on a GPU fp32 for small targets, whose step
+    is launch latency, so that speculation equals AR token for token; bf16 above
+    SMALL_MODEL_PARAMS). backend: the engine's (auto: CUDA graphs on a GPU).
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dtype not in ("auto", *DTYPES):
+        raise ValueError(f"dtype must be auto, bf16 or fp32, got {dtype!r}")
     if model in (None, "") and not (ASSETS / "target").exists():
         model = "random-tiny"
     if model == "random-tiny":
@@ -185,8 +194,9 @@ def load_runtime(model: str | None = None, drafters: str | None = None,
     from specla.drafters import load_drafter
 
     path = model or str(ASSETS / "target")
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    target, tokenizer, report = load_model(path, device, dtype)
+    target, tokenizer, report = load_model(path, device, DTYPES.get(dtype, torch.float32))
+    if dtype == "auto" and device == "cuda" and sum(p.numel() for p in target.parameters()) >= SMALL_MODEL_PARAMS:
+        target = target.to(torch.bfloat16)
     target.eval()
     if tokenizer is None:
         if not (ASSETS / "tokenizer.json").exists():
@@ -204,7 +214,8 @@ def load_runtime(model: str | None = None, drafters: str | None = None,
     if isinstance(params, int):
         c = target.config
         name += f" ({params / 1e6:.1f}M parameters, {c.num_hidden_layers} layers × {c.hidden_size})"
-    return Runtime(target, tokenizer, found, model_name=name, eos_token_id=target.config.eos_token_id)
+    return Runtime(target, tokenizer, found, model_name=name, eos_token_id=target.config.eos_token_id,
+                   engine=Engine(target, backend))
 
 
 def drafter_limits(runtime: Runtime, name: str) -> dict:

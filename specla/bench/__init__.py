@@ -122,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-layer ops of our runtime (auto: fla's fused kernels on CUDA)")
     p.add_argument("--recurrence", choices=("kernels", "torch"), default="kernels",
                    help="verifier inside the speculative graphs (kernels: kernels/triton_verify)")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="e2e pair: the embedded target's precision (auto: as the app picks it)")
     p.add_argument("--pair-budget", type=float, default=240.0,
                    help="seconds for the embedded pair within the CUDA e2e suite (default 240)")
     p.add_argument("--head-top-k", type=int, default=4,

@@ -60,7 +60,8 @@ def pair_runtime(args):
     from specla.acceptance import read_prompts
 
     if not args.tiny and (ROOT / "assets" / "target" / "config.json").exists():
-        runtime = runner.load_runtime(None, str(args.drafters) if args.drafters else None, args.device.type)
+        runtime = runner.load_runtime(None, str(args.drafters) if args.drafters else None, args.device.type,
+                                      getattr(args, "dtype", "auto"))
         prompt_file = next(p for p in PROMPT_FILES if p.exists())
         texts = read_prompts(prompt_file, args.prompts or (3 if args.quick else 8))
         return runtime, texts, {"prompt_file": str(prompt_file.relative_to(ROOT)), "model": runtime.model_name}
