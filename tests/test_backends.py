@@ -129,7 +129,9 @@ def test_graphed_backend_equals_eager_fp32_cuda(kind, shape, deferred):
     """Captured graphs on the GPU against the eager loop on the same GPU, fp32: the same steps
     (fused kernels round differently; a flip is allowed only at an fp32 near-tie)."""
     target, drafters, prompts = embedded("cuda")
-    eager, graphed = Engine(target, "eager"), Engine(target, "graphed")
+    # uncompiled drafts here (each torch.compile takes tens of seconds); test_device_drafter
+    # checks the compiled ones against these
+    eager, graphed = Engine(target, "eager"), Engine(target, "graphed", compile_drafter=False)
     settings = DecodeSettings(max_new_tokens=48, deferred=deferred)
     for prompt in prompts:
         try:
