@@ -27,7 +27,8 @@ except ImportError:   # not on a ZeroGPU Space
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="checkpoint folder or hub id (default: assets/target; "
-                   "'random-tiny' for a random-weight demo model)")
+                   "'random-tiny' for a random-weight demo model; 'gdn-1.3b-random' for the GDN-1.3B shape "
+                   "with random weights and the oracle drafter, on a GPU)")
     p.add_argument("--drafters", default=None,
                    help="folder with <kind>/ drafter checkpoints (default: assets/drafters)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")

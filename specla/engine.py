@@ -86,6 +86,7 @@ class Engine:
         self._ar = None
         self._decoders: collections.OrderedDict = collections.OrderedDict()
         self.capture_ms = 0.0             # graph captures and compiles of the last decode's decoder
+        self.graphs = 0                   # CUDA graphs behind the last decode
 
     @property
     def dtype(self) -> torch.dtype:
@@ -225,9 +226,9 @@ class Engine:
                                      self.use_graph, self.recurrence, sampling=sampling,
                                      max_drafted=max(ds.budget, _preset_size(drafter)))
             self._decoders[key] = dec
-            while len(self._decoders) > CACHED_DECODERS:
-                self._decoders.popitem(last=False)
+            self._evict()
         self._decoders.move_to_end(key)
+        self.graphs = dec.graphs
         if not dec.on_device:
             dec.drafter = drafter                 # a host drafter's per-run copy
             dec.sampling = (Sampling(settings.temperature, settings.top_p, settings.seed)
@@ -237,11 +238,22 @@ class Engine:
         return dec
 
     def _graphed(self, prompt, drafter, settings, draft_settings, eos) -> Iterator[StepRecord]:
+        from specla.drafters.oracle import OracleDrafter
+
+        if isinstance(drafter, OracleDrafter) and drafter.shape != "random" and settings.temperature == 0:
+            yield from self._records(self._oracle_steps(prompt, drafter, settings, draft_settings), settings, eos)
+            return
         dec = self.decoder(drafter, settings, draft_settings)
         before = dec.capture_ms
+        yield from self._records(dec.steps(prompt, settings.max_new_tokens), settings, eos)
+        # captures inside the decode (a host drafter's new bucket) are reported, never timed
+        self.capture_ms += dec.capture_ms - before
+
+    def _records(self, steps, settings: DecodeSettings, eos) -> Iterator[StepRecord]:
+        """StepRecords from the graphed backend's steps, cut at max_new_tokens and eos."""
         c = self.target.config
         produced, pending, n = 0, 0, settings.max_new_tokens
-        for index, step in enumerate(dec.steps(prompt, n)):
+        for index, step in enumerate(steps):
             tree, out = step.tree, step.outcome
             acc = Acceptance(out.path, [tree.tokens[i] for i in out.path[1:]], out.bonus, step.choice)
             new_tokens = (acc.tokens + [acc.bonus])[:n - produced]
@@ -259,8 +271,78 @@ class Engine:
             yield record
             if produced >= n or (settings.stop_at_eos and eos in new_tokens):
                 break
-        # captures inside the decode (a host drafter's new bucket) are reported, never timed
-        self.capture_ms += dec.capture_ms - before
+
+    def _oracle_steps(self, prompt, oracle, settings: DecodeSettings, draft_settings: DraftSettings):
+        """The oracle drafter on the device (`DeviceOracle`): drafting AR's continuation at
+        acceptance alpha, realigned wherever the target leaves it (a bf16 near-tie), first
+        calibrated step by step, then replayed and timed with events per phase (the bench's
+        oracle rows, step by step)."""
+        from specla.graphs.decoders import GraphedStep
+        from specla.graphs.oracle import oracle_calibrate
+        from specla.graphs.runtime import PhaseClock
+        from specla.graphs.spec import PHASES, StepOutcome
+
+        n = settings.max_new_tokens
+        run = self._oracle_decoder(oracle, settings, draft_settings)
+        spec, ar, st = run["spec"], run["ar"], run["spec"].state
+        state0, root = self.packed.prefill(prompt)[0], prompt[-1]
+        cont = ar.timed_generate(state0, root, min(run["capacity"], ar.out.numel()))[0]
+        spec.oracle.set_continuation(cont)
+        spec.oracle.set_alpha(oracle.alpha)
+        steps = oracle_calibrate(spec, ar, state0, root, n).steps
+        st.reset(state0, root)
+        clock = PhaseClock(self.device)
+        spec.draft()
+        clock.mark()
+        draft_ms = clock.read()[0]
+        clock.restart()
+        for _ in range(steps):
+            for phase in PHASES:
+                spec.run(phase)
+                clock.mark()
+        gaps = clock.read()
+        logged = st.log.read(0, steps)
+        for i in range(steps):
+            tree = DraftTree(logged.tokens[i][:spec.topo.n], [-1] + logged.parents[i][1:spec.topo.n])
+            times = {"draft": draft_ms, "verify": gaps[3 * i], "accept": gaps[3 * i + 1]}
+            draft_ms = gaps[3 * i + 2]
+            yield GraphedStep(tree, StepOutcome.unpack(logged.result[i]), logged.choice[i][:len(tree)],
+                              logged.target_prob[i][:len(tree)], times, {"drafter": "oracle"}, spec.mode)
+
+    def _oracle_decoder(self, oracle, settings: DecodeSettings, draft_settings: DraftSettings) -> dict:
+        """The captured oracle step for these settings: a chain of `budget` drafts, or levels
+        of `top_k` siblings (the true token first) up to `budget` nodes."""
+        from specla.graphs.ar import GraphedAR
+        from specla.graphs.buckets import comb_tree
+        from specla.graphs.oracle import DeviceOracle
+        from specla.graphs.spec import GraphedSpec, SpecState
+
+        ds = draft_settings
+        tree = (DraftTree.chain([0] * (ds.budget + 1)) if oracle.shape == "chain"
+                else comb_tree(max(2, ds.top_k), ds.budget))
+        capacity = _capacity(settings.max_new_tokens)
+        key = ("oracle", tuple(tree.parents), settings.deferred, settings.mode, capacity)
+        run = self._decoders.get(key)
+        if run is None:
+            P = tree.depth + 1
+            start = time.perf_counter()
+            state = SpecState(self.packed, max_path=P, capacity=capacity + 2 * P + 8, max_nodes=len(tree))
+            device_oracle = DeviceOracle([], self.target.config.vocab_size, oracle.alpha,
+                                         max_steps=capacity + 2 * P + 9, max_nodes=len(tree),
+                                         capacity=capacity + 4 * P + 16, device=self.device, seed=0)
+            spec = GraphedSpec(self.packed, state, tree, mode=settings.mode, deferred=settings.deferred,
+                               oracle=device_oracle, use_graph=self.use_graph, recurrence=self.recurrence)
+            ar = GraphedAR(self.packed, max_len=capacity + 4 * P + 16, use_graph=self.use_graph)
+            run = self._decoders[key] = {"spec": spec, "ar": ar, "capacity": capacity + 2 * P + 8}
+            self._evict()
+            self.capture_ms = 1e3 * (time.perf_counter() - start)
+        self._decoders.move_to_end(key)
+        self.graphs = len(run["spec"].graphs) + (1 if run["ar"].graph is not None else 0)
+        return run
+
+    def _evict(self) -> None:
+        while len(self._decoders) > CACHED_DECODERS:
+            self._decoders.popitem(last=False)
 
 
 def _device_blocker(drafter, settings: DecodeSettings, draft_settings: DraftSettings) -> str | None:

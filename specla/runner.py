@@ -171,6 +171,59 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 SMALL_MODEL_PARAMS = 100_000_000   # "auto" runs targets below this in fp32 on a GPU
 
 
+RANDOM_1P3B = "gdn-1.3b-random"
+RANDOM_1P3B_GIB = 6.0          # weights (2.9 GB bf16), state, graphs and workspace, with room
+
+
+class WideVocabTokenizer:
+    """A tokenizer for a target whose vocabulary is wider than the tokenizer's: ids it does
+    not know are shown as <id> (a random-weight model's output is noise either way)."""
+
+    def __init__(self, inner, vocab_size: int):
+        self.inner, self.vocab_size = inner, vocab_size
+        self.known = len(inner.get_vocab()) if hasattr(inner, "get_vocab") else 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.inner.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        out, run = [], []
+        for i in ids:
+            if 0 <= i < self.known:
+                run.append(i)
+                continue
+            if run:
+                out.append(self.inner.decode(run))
+                run = []
+            out.append(f"<{i}>")
+        if run:
+            out.append(self.inner.decode(run))
+        return "".join(out)
+
+
+def random_1p3b_runtime(device: str = "cuda") -> Runtime:
+    """The GDN-1.3B public shape (24 layers x 2048, 1.47B parameters) with random bf16 weights
+    and the oracle drafter: the bandwidth-bound regime, at a simulated acceptance rate."""
+    from specla.config import PUBLIC_1P3B
+    from specla.model import random_gdn
+
+    if device != "cuda":
+        raise ValueError("the GDN-1.3B shape needs a CUDA GPU (on a CPU one token takes seconds)")
+    free = torch.cuda.mem_get_info()[0] / 2**30
+    if free < RANDOM_1P3B_GIB:
+        raise ValueError(f"the GDN-1.3B shape needs about {RANDOM_1P3B_GIB:.0f} GiB of free GPU memory; "
+                         f"{free:.1f} GiB are free")
+    target = random_gdn(PUBLIC_1P3B, device, torch.bfloat16, seed=0)
+    from specla.tokenizer import load_tokenizer
+    tokenizer = WideVocabTokenizer(load_tokenizer(ASSETS), PUBLIC_1P3B.vocab_size)
+    return Runtime(target, tokenizer, {ORACLE: oracle_factory(PUBLIC_1P3B.vocab_size)},
+                   model_name="GDN-1.3B public shape, random bf16 weights (1.47B parameters)",
+                   labels={ORACLE: "oracle (simulated acceptance α)"},
+                   note="Random weights: the text is noise. The oracle drafter knows the target's own answer and "
+                        "is right with probability α: this shows the engine's speed at a simulated acceptance "
+                        "rate in the bandwidth-bound regime of a 1.3B model, not a trained drafter.")
+
+
 def load_runtime(model: str | None = None, drafters: str | None = None,
                  device: str | None = None, dtype: str = "auto", backend: str = "auto") -> Runtime:
     """The target (default: assets/target), its drafters (default: assets/drafters/<kind>/).
@@ -186,6 +239,8 @@ def load_runtime(model: str | None = None, drafters: str | None = None,
         raise ValueError(f"dtype must be auto, bf16 or fp32, got {dtype!r}")
     if model in (None, "") and not (ASSETS / "target").exists():
         model = "random-tiny"
+    if model == RANDOM_1P3B:
+        return random_1p3b_runtime(device)
     if model == "random-tiny":
         return tiny_random_runtime(device=device, random_drafters=DRAFTER_KINDS, note=(
             "No trained model loaded: this is a tiny random-weight model, for trying the explorer only. "
@@ -443,12 +498,12 @@ def run(runtime: Runtime, prompt: str, settings: dict | None = None) -> Iterator
     model, record = runtime.model_info(), settings_record(s)
     engine_info = {"backend": plan.backend, "drafting": plan.drafting, "acceptance": plan.acceptance,
                    "note": plan.note, "ops": engine.ops_note, "dtype": model["dtype"],
-                   "graphs": _graph_count(engine, drafter, decode, s), "capture_ms": round(capture_ms, 1)}
+                   "graphs": engine.graphs, "capture_ms": round(capture_ms, 1)}
 
     def make(steps: list[dict], seconds: float, baseline: dict, **extra) -> dict:
         trace = tr.build_trace(model=model, settings=record, prompt=prompt, prompt_tokens=tokens, steps=steps,
                                decode=runtime.decode, seconds=seconds, baseline=baseline)
-        trace["engine"] = engine_info
+        trace["engine"] = dict(engine_info, graphs=engine.graphs)
         trace.update(extra)
         return trace
 
@@ -491,12 +546,6 @@ def _warm_speculation(engine, drafter, tokens, s, runtime, eos) -> float:
     for _ in engine.speculate(tokens, drafter, short, _draft_settings(s), eos):
         pass
     return 1e3 * (time.perf_counter() - start)
-
-
-def _graph_count(engine, drafter, decode, s) -> int:
-    if engine.backend != "graphed":
-        return 0
-    return engine.decoder(drafter, decode, _draft_settings(s)).graphs
 
 
 def _alternate(engine, drafter, tokens, s, runtime, eos, ar, seconds, steps):

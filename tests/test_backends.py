@@ -143,3 +143,21 @@ def test_graphed_backend_equals_eager_fp32_cuda(kind, shape, deferred):
             assert i is not None, "records differ although the outputs agree"
             d = graphed.divergence(prompt, out, i, ar[i])
             assert d["top2_gap"] < 1e-3, f"graphed output left AR beyond an fp32 near-tie: {d}"
+
+
+def test_graphed_oracle_equals_ar_and_accepts():
+    """The oracle drafter on the graphed backend runs on the device (calibrated, then replayed
+    step by step): its output is AR's, and it accepts at the asked rate."""
+    from specla.drafters.oracle import OracleDrafter
+    from tests.helpers import random_target
+
+    target = random_target(vocab=128)
+    prompt = [5, 9, 13, 4, 2, 77]
+    graphed, eager = Engine(target, "graphed", use_graph=False), Engine(target, "eager")
+    settings = DecodeSettings(max_new_tokens=40)
+    ar = eager.ar(prompt, settings).tokens
+    for shape, ds in (("chain", DraftSettings(budget=6)), ("tree", DraftSettings(budget=9, top_k=3))):
+        records = list(graphed.speculate(prompt, OracleDrafter(ar, 128, alpha=0.8, shape=shape), settings, ds))
+        assert [t for r in records for t in r.new_tokens] == ar, shape
+        assert sum(len(r.acceptance.tokens) for r in records) >= len(records), "alpha 0.8 accepts about 2+ a step"
+        assert all(set(r.times_ms) == {"draft", "verify", "accept"} for r in records)

@@ -24,12 +24,12 @@ from specla.config import PUBLIC_1P3B, GDNConfig
 from specla.decode import DecodeSettings, ar_generate
 from specla.drafters.base import Draft, DraftSettings
 from specla.tree import DraftTree
-from specla.bench.measure import FlaAR, build_fla_model, oracle_calibrate, oracle_timed
+from specla.bench.measure import FlaAR, build_fla_model
 from specla.graphs.ar import GraphedAR
 from specla.graphs.buckets import comb_tree
 from specla.graphs.decoders import GraphedDecoder
 from specla.graphs.ops import FlaOps, check_ops
-from specla.graphs.oracle import DeviceOracle
+from specla.graphs.oracle import DeviceOracle, oracle_calibrate, oracle_timed
 from specla.graphs.runtime import PackedTarget
 from specla.graphs.spec import (GraphedSpec, SpecState, SpecTopology, greedy_accept, spec_vs_ar_noise,
                                 torch_tree_verify)

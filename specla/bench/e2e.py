@@ -16,10 +16,10 @@ import torch
 
 from specla.bench.common import (PROMPT_FILES, ROOT, Deadline, Results, _hist, drafter_settings, free_cuda, guarded,
                                  random_prompt, small_config, stat, timing, tqdm)
-from specla.bench.measure import oracle_calibrate, oracle_split, oracle_timed
+from specla.bench.measure import oracle_split
 from specla.graphs.ar import GraphedAR
 from specla.graphs.buckets import comb_tree
-from specla.graphs.oracle import DeviceOracle
+from specla.graphs.oracle import DeviceOracle, oracle_calibrate, oracle_timed
 from specla.graphs.runtime import PackedTarget
 from specla.graphs.spec import GraphedSpec, SpecState, spec_vs_ar_noise
 from specla.model import random_gdn

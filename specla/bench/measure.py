@@ -1,94 +1,15 @@
-"""Measurement-only machinery: oracle decoding on the speculative decoder's own trajectory,
-the spec-vs-AR logit noise, fla's own model as a baseline, and bandwidth probes."""
+"""Measurement-only machinery: the oracle sweep's phase split, fla's own model as a baseline,
+and bandwidth probes."""
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
 
 from specla.config import GDNConfig
-from specla.graphs.ar import GraphedAR
 from specla.graphs.runtime import StaticState, Stopwatch, capture, sync
 from specla.graphs.spec import GraphedSpec, phase_times
 from specla.model import GDNForCausalLM
-
-
-@dataclasses.dataclass
-class OracleRun:
-    tokens: list[int]
-    steps: int
-    accepted: list[int]                      # accepted drafts per step
-    ms: float
-    divergences: list[dict] = dataclasses.field(default_factory=list)
-
-
-@torch.no_grad()
-def oracle_calibrate(spec: GraphedSpec, ar: GraphedAR, snapshot: StaticState, root: int,
-                     n: int, max_steps: int | None = None) -> OracleRun:
-    """Decode n tokens step by step (one host read per step), keeping the oracle on the
-    speculative decoder's own greedy trajectory.
-
-    The oracle drafts the AR greedy continuation. In bf16 the speculative forward and the AR
-    step round differently, so at a near-tie the target's argmax can leave that continuation
-    (a divergence, recorded with the target's logit gap). The step is then undone and redone
-    with the continuation realigned: the target's own token at that position, then AR's
-    continuation after it. The result is what an oracle that knew the target's output would
-    do. Graph replays are deterministic, so a timed run with the final continuation
-    reproduces this trajectory step for step with no host work.
-    """
-    st, oracle = spec.state, spec.oracle
-    st.reset(snapshot, root)
-    spec.draft()
-    divergences, steps = [], 0
-    t0 = time.perf_counter()
-    while int(st.pos.item()) < n and steps < (max_steps or 4 * n + 8):
-        saved = [t.clone() for t in st.buffers()] + [spec.tokens.clone()]
-        pos_before, root_before = int(st.pos.item()), int(st.root.item())
-        spec.step()
-        steps += 1
-        for _ in range(st.max_path + 2):              # each redo gets strictly further
-            a, end, bonus, div, pos = st.last.tolist()
-            p = pos - 1                               # the bonus token's position
-            if not div or p >= n:
-                break
-            if p < oracle.valid:                      # else: the continuation just ran out
-                divergences.append({"position": p, "step": steps - 1,
-                                    "gap": float(st.gap[steps - 1].item()), "target_token": bonus,
-                                    "oracle_token": int(oracle.cont[p].item())})
-            accepted = st.out[pos_before:p].tolist()
-            for t, s in zip(st.buffers() + [spec.tokens], saved):
-                t.copy_(s)
-            # a bounded tail: if a later step runs past it, the same path extends it
-            need = min(n - p + 2 * st.max_path + 2, 64 + 2 * st.max_path, ar.out.numel(),
-                       oracle.capacity - p - 1)
-            tail = ar.continue_after(st.folded_copy(), root_before, accepted + [bonus], need)
-            oracle.set_continuation([bonus] + tail, start=p)
-            spec.draft()
-            spec.step()
-    ms = 1e3 * (time.perf_counter() - t0)
-    return OracleRun(st.output(), steps, st.acc[:steps].tolist(), ms, divergences)
-
-
-@torch.no_grad()
-def oracle_timed(spec: GraphedSpec, snapshot: StaticState, root: int, n: int, steps: int) -> OracleRun:
-    """`steps` replays back to back (the count a calibration found), timed with events; the
-    initial draft is inside the timing. Extra host-checked steps only if n was not reached."""
-    st = spec.state
-    st.reset(snapshot, root)
-    sync(spec.rt.device)
-    with Stopwatch(spec.rt.device) as sw:
-        spec.draft()
-        for _ in range(steps):
-            spec.step()
-    ms, extra = sw.ms, 0
-    while int(st.pos.item()) < n and extra < 4 * n:
-        with Stopwatch(spec.rt.device) as sw2:
-            spec.step()
-        ms += sw2.ms
-        extra += 1
-    total = steps + extra
-    return OracleRun(st.output(), total, st.acc[:total].tolist(), ms)
 
 
 @torch.no_grad()
