@@ -25,9 +25,20 @@ import torch
 
 SHAPES = ("chain", "beam", "best-first")
 
-# rows(depth, frontier pool indices [F], frontier ranks [F]) -> children of each frontier node,
-# best first: tokens [F, k], conditional log-probs [F, k], each child's rank in its row [F, k]
-Rows = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+@dataclasses.dataclass
+class Frontier:
+    """The nodes of one depth that get children: their pool indices, ranks in their own row,
+    tokens, parents' pool indices and whether they are live (dead ones pad the width)."""
+    idx: torch.Tensor
+    rank: torch.Tensor
+    token: torch.Tensor
+    parent: torch.Tensor
+    alive: torch.Tensor
+
+
+# rows(depth, frontier) -> the children of each frontier node, best first: tokens [F, k],
+# conditional log-probs [F, k], each child's rank in its row [F, k]
+Rows = Callable[[int, Frontier], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 @dataclasses.dataclass
@@ -54,6 +65,7 @@ def grow_tree(root: torch.Tensor, rows: Rows, *, depth: int, shape: str, top_k: 
     M = 1 + max(depth * F * c, budget)         # dead entries pad a pool smaller than the budget
     neg = torch.tensor(float("-inf"), device=dev)
     pool_tok = torch.zeros(M, dtype=torch.long, device=dev)
+    pool_tok[0] = root.view(())
     pool_parent = torch.zeros(M, dtype=torch.long, device=dev)
     pool_lp = torch.zeros(M, device=dev)
     pool_score = torch.full((M,), float("-inf"), device=dev)
@@ -66,7 +78,9 @@ def grow_tree(root: torch.Tensor, rows: Rows, *, depth: int, shape: str, top_k: 
     f_alive = torch.arange(F, device=dev) == 0
     best = None
     for d in range(depth):
-        tok, lp, rank = (x[:, :c] for x in rows(d, f_idx, f_rank))
+        frontier = Frontier(f_idx, f_rank, pool_tok.index_select(0, f_idx), pool_parent.index_select(0, f_idx),
+                            f_alive)
+        tok, lp, rank = (x[:, :c] for x in rows(d, frontier))
         alive = f_alive[:, None].expand(F, c)
         score = torch.where(alive, f_score[:, None] + lp, neg)
         base = 1 + d * F * c
@@ -132,8 +146,8 @@ def static_rows(cand: torch.Tensor, cand_logp: torch.Tensor) -> Rows:
     k = cand.shape[-1]
     ranks = torch.arange(k, device=cand.device)
 
-    def rows(d: int, f_idx: torch.Tensor, f_rank: torch.Tensor):
-        F = f_idx.shape[0]
+    def rows(d: int, frontier: Frontier):
+        F = frontier.idx.shape[0]
         return cand[d].expand(F, k), cand_logp[d].expand(F, k), ranks.expand(F, k)
     return rows
 
@@ -144,9 +158,9 @@ def conditional_rows(cand: torch.Tensor, start: torch.Tensor, pair: torch.Tensor
     start_lp = torch.log_softmax(start.float(), -1)
     pair_lp = torch.log_softmax(pair.float(), -1)
 
-    def rows(d: int, f_idx: torch.Tensor, f_rank: torch.Tensor):
-        F = f_idx.shape[0]
-        row = start_lp.expand(F, -1) if d == 0 else pair_lp[d - 1].index_select(0, f_rank)
+    def rows(d: int, frontier: Frontier):
+        F = frontier.idx.shape[0]
+        row = start_lp.expand(F, -1) if d == 0 else pair_lp[d - 1].index_select(0, frontier.rank)
         lp, rank = torch.sort(row, dim=-1, descending=True, stable=True)
         return cand[d].gather(0, rank.reshape(-1)).view(F, -1), lp, rank
     return rows
