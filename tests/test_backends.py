@@ -78,7 +78,7 @@ def test_graphed_backend_equals_eager_fp32(cpu_pair, kind, shape, deferred):
         accepted += sum(len(r.acceptance.tokens) for r in a)
     assert accepted > 0, "no draft accepted: the comparison would only cover rejections"
     plan = graphed.plan(drafters[kind], settings, SHAPES[shape])
-    assert plan.drafting == ("host" if kind == "eagle" else "device"), plan
+    assert plan.drafting == "device", plan
 
 
 def test_graphed_state_equals_a_replay(cpu_pair):
@@ -103,8 +103,10 @@ def test_plan_says_where_a_step_runs(cpu_pair):
     assert graphed.plan(drafters["block"], greedy, SHAPES["best-first"]).drafting == "device"
     plan = graphed.plan(drafters["block"], sampled, SHAPES["chain"])
     assert (plan.drafting, plan.acceptance) == ("host", "host") and "temperature" in plan.note
-    plan = graphed.plan(drafters["eagle"], greedy, SHAPES["chain"])
-    assert plan.drafting == "host" and "eagle" in plan.note
+    assert graphed.plan(drafters["eagle"], greedy, SHAPES["best-first"]).drafting == "device"
+    from specla.runner import PresetShape
+    plan = graphed.plan(PresetShape(drafters["block"], [[0], [1], [0, 0]]), greedy, SHAPES["chain"])
+    assert plan.drafting == "host" and "preset" in plan.note
     assert Engine(target, "eager").plan(drafters["block"], greedy, SHAPES["chain"]).backend == "eager"
     with pytest.raises(ValueError, match="backend"):
         Engine(target, "fast")

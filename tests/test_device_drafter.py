@@ -101,7 +101,7 @@ def test_masked_right_aligned_window_equals_the_host_context(kind, rows):
     _, feats, hidden = rt.prefill(prompt, LAYERS)
     drafter.reset(prompt, feats, hidden)
     dev = DeviceBlockDrafter(drafter, chain_settings())
-    dev.reset(feats if rows else None)
+    dev.reset(prompt, feats if rows else None, None)
     n = min(rows, WINDOW)
     assert int(dev.valid.sum()) == n and bool(dev.valid[WINDOW - n:].all())
     assert torch.equal(dev.ctx[WINDOW - n:], drafter.ctx)
@@ -163,7 +163,7 @@ def test_device_chains_equal_host_proposals_step_by_step(kind, device):
     ar.reset(state0, prompt[-1])
     truth = ar.decode(200)
     state.reset(state0, prompt[-1])
-    dev.reset(feats)
+    dev.reset(prompt, feats, hidden)
     dev.propose(spec)                              # first chain, drafted eagerly
     host.reset(prompt, feats, hidden)
     rng = random.Random(5)

@@ -84,7 +84,8 @@ def head_alone_cost(rt, drafter, settings, prompt: list[int], inner: int = 20, r
     from specla.drafters.lilicorr import candidates, greedy_walk, lattice
 
     dev = DeviceBlockDrafter(drafter, settings, fused_head=True)
-    dev.reset(rt.prefill(prompt, tuple(drafter.feature_layers))[1])
+    _, feats, hidden = rt.prefill(prompt, tuple(drafter.feature_layers))
+    dev.reset(prompt, feats, hidden)
     root = torch.tensor([prompt[-1]], device=rt.device)
     with torch.no_grad():
         h, logits = dev.slot_logits(root)

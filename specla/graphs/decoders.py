@@ -134,10 +134,7 @@ class GraphedDecoder:
         pre = prefilled or self.packed.prefill(prompt, self.feature_layers)
         state0, feats, hidden = pre
         self.state.reset(state0, prompt[-1])
-        if self.on_device:
-            self.drafter.reset(feats if len(prompt) > 1 else None)
-        else:
-            self.drafter.reset(prompt, feats, hidden)
+        self.drafter.reset(prompt, feats if len(prompt) > 1 else None, hidden)
         return pre
 
     # -- decoding -----------------------------------------------------------------------------

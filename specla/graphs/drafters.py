@@ -10,7 +10,7 @@ A device drafter has
     max_depth        the deepest draft it grows (the accepted path's longest length - 1)
     dynamic          True when each step grows a different tree (`SpecTopology.rebuild`)
     bind(log)        allocate its own per-step log beside the step log (before capture)
-    reset(features)  fill its context from the prompt (eager, between decodes)
+    reset(prompt, features, hidden)  fill its context from the prefilled prompt (eager)
     propose(spec)    write the next draft into `spec.tokens` (and the topology, if dynamic)
                      and its log row; `draft(spec)` = observe the accepted path, then propose
     buffers()        its static buffers (restored after a capture's warm-up)
@@ -21,16 +21,22 @@ is updated with static shapes (the accepted path's rows selected by a device ind
 block pass runs over the whole window with a validity mask, and the draft is a chain (top-1,
 or LiLiCorr's greedy walk) or a tree grown by `specla.graphs.trees.grow_tree`, exactly the
 tree the host drafter builds from the same scores.
+
+`DeviceEagleDrafter` is the EAGLE-style drafter: the same window of accepted rows, and the
+tree grown depth by depth, the layer run over each depth's whole frontier (a static width,
+dead entries masked) with tree attention over the nodes processed so far.
 """
 from __future__ import annotations
 
 import torch
 
 from specla.drafters.base import DraftSettings
-from specla.drafters.block import BlockDrafter
+from specla.drafters.block import BlockDrafter, rope
+from specla.drafters.eagle import EagleDrafter
 from specla.drafters.lilicorr import LiLiCorrDrafter, candidates, greedy_walk, lattice
 from specla.graphs.spec import GraphedSpec, StepLog
-from specla.graphs.trees import GrownTree, conditional_rows, grow_tree, static_rows, tree_nodes
+from specla.graphs.trees import (Frontier, GrownTree, conditional_rows, frontier_width, grow_tree, pool_size,
+                                 static_rows, tree_nodes)
 from specla.tree import DraftTree
 
 
@@ -131,7 +137,7 @@ class DeviceBlockDrafter:
 
     # -- context ----------------------------------------------------------------------------
     @torch.no_grad()
-    def reset(self, features: torch.Tensor | None) -> None:
+    def reset(self, prompt: list[int], features: torch.Tensor | None, hidden: torch.Tensor | None = None) -> None:
         """Fill the window from the prompt's target features [T, n_layers, D] (what
         `PackedTarget.prefill` returns; None or empty for a one-token prompt)."""
         for t in (self.ctx, self.valid, *[t for kv in self.kv for t in kv]):
@@ -258,6 +264,148 @@ class DeviceBlockDrafter:
         return out
 
 
+class DeviceEagleDrafter:
+    """A loaded `EagleDrafter` drafting greedy chains and trees from static device buffers:
+    `EagleDrafter.propose` (its `_TreeSearch` over `tree_build`) as tensor ops."""
+
+    kind = "eagle"
+
+    def __init__(self, drafter: EagleDrafter, settings: DraftSettings, compile: bool = False):
+        settings.validate(drafter.parts.vocab_size)
+        if settings.temperature > 0:
+            raise ValueError("the device drafter drafts greedily (temperature 0)")
+        net, c = drafter.net, drafter.net.config
+        self.net, self.parts, self.feature_layers = net, drafter.parts, ()
+        self.shape, self.budget, self.depth, self.prune_tau = settings.tree, settings.budget, settings.depth, settings.prune_tau
+        self.top_k = 1 if self.shape == "chain" else settings.top_k
+        self.nodes = tree_nodes(self.shape, self.top_k, self.budget, self.depth)
+        self.max_depth = min(self.depth, self.budget)
+        self.dynamic = self.shape != "chain"
+        self.width = frontier_width(self.shape, self.top_k, self.budget)
+        w = net.fc.weight
+        W, dev, dt = c.window, w.device, w.dtype
+        heads, hd = net.layer.attn.heads, net.layer.attn.head_dim
+        self.window, self.device = W, dev
+        self.ctx_k = torch.zeros(W, heads, hd, device=dev, dtype=dt)     # raw keys of accepted rows
+        self.ctx_v = torch.zeros(W, heads, hd, device=dev, dtype=dt)
+        self.valid = torch.zeros(W, dtype=torch.bool, device=dev)         # invalid rows at the front
+        self.h_last = torch.zeros(c.target_hidden, device=dev, dtype=dt)  # the hidden before the root
+        self.arange_w = torch.arange(W, device=dev)
+        self.compiled = compile
+        wrap = (lambda fn: torch.compile(fn, dynamic=False)) if compile else (lambda fn: fn)
+        self._observe_rows = wrap(self.observe_rows)
+        self._grow = wrap(self.grow)
+
+    def template(self) -> DraftTree:
+        if self.shape == "chain":
+            return DraftTree.chain([0] * self.nodes)
+        return DraftTree([0] * self.nodes, [-1] + [0] * (self.nodes - 1))
+
+    def bind(self, log: StepLog) -> None:
+        self.step_log = log
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [self.ctx_k, self.ctx_v, self.valid, self.h_last]
+
+    # -- context ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def reset(self, prompt: list[int], features: torch.Tensor | None, hidden: torch.Tensor | None) -> None:
+        """The rows of the prompt's tokens 1..T-1 (each with the hidden before it), as the host
+        drafter's `reset` makes them; the last prefilled hidden is the root's."""
+        for t in self.buffers():
+            t.zero_()
+        T = len(prompt) - 1
+        if T < 1:
+            return
+        self.h_last.copy_(hidden[T - 1])
+        if T < 2:
+            return
+        tokens = torch.tensor(prompt[1:T], device=self.device)[-self.window:]
+        before = hidden[:T - 1][-self.window:].to(self.h_last.dtype)
+        k, v = self.net.raw_kv(self.net.rows(self.parts, tokens, before))
+        n = k.shape[0]
+        self.ctx_k[-n:], self.ctx_v[-n:], self.valid[-n:] = k, v, True
+
+    def observe(self, spec: GraphedSpec) -> None:
+        self._observe_rows(spec.result, spec.tokens[0], spec.last_hidden)
+
+    @torch.no_grad()
+    def observe_rows(self, result: torch.Tensor, tokens: torch.Tensor, last_hidden: torch.Tensor) -> None:
+        """Rows of the accepted path (root first) with the hidden before each: all P path rows
+        are built, the index keeps rows a+1 .. a+W of [old window, new rows]."""
+        a, path = result[:1], result[3:]
+        hid = last_hidden.index_select(0, path).to(self.h_last.dtype)              # [P, D]
+        before = torch.cat([self.h_last[None], hid[:-1]])
+        k, v = self.net.raw_kv(self.net.rows(self.parts, tokens.index_select(0, path), before))
+        idx = a + 1 + self.arange_w
+        self.ctx_k.copy_(torch.cat([self.ctx_k, k]).index_select(0, idx))
+        self.ctx_v.copy_(torch.cat([self.ctx_v, v]).index_select(0, idx))
+        fresh = torch.ones(k.shape[0], dtype=torch.bool, device=k.device)
+        self.valid.copy_(torch.cat([self.valid, fresh]).index_select(0, idx))
+        self.h_last.copy_(hid.index_select(0, a)[0])
+
+    # -- drafting ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def grow(self, root: torch.Tensor) -> GrownTree:
+        """The tree search: at each depth the layer runs over the whole frontier (queries),
+        seeing the accepted rows, the processed ancestors of each query and itself."""
+        net, parts, W, F = self.net, self.parts, self.window, self.width
+        dev = root.device
+        slots = self.depth * F
+        M = pool_size(self.shape, self.top_k, self.budget, self.depth)
+        heads, hd = net.layer.attn.heads, net.layer.attn.head_dim
+        ctx_k = rope(self.ctx_k[None], self.arange_w)
+        slot_k = torch.zeros(1, slots, heads, hd, device=dev, dtype=self.ctx_k.dtype)
+        slot_v = torch.zeros_like(slot_k)
+        slot_hid = torch.zeros(slots, self.h_last.shape[0], device=dev, dtype=self.h_last.dtype)
+        slot_anc = torch.zeros(slots, slots, dtype=torch.bool, device=dev)
+        slot_of = torch.zeros(M, dtype=torch.long, device=dev)
+        eye = torch.eye(F, dtype=torch.bool, device=dev)
+        slot_ids = torch.arange(slots, device=dev)
+
+        def rows(d: int, frontier: Frontier):
+            if d == 0:
+                hidden = self.h_last[None].expand(F, -1)
+                anc = torch.zeros(F, slots, dtype=torch.bool, device=dev)
+            else:
+                parent = slot_of.index_select(0, frontier.parent)
+                hidden = slot_hid.index_select(0, parent)
+                anc = slot_anc.index_select(0, parent) | (slot_ids[None, :] == parent[:, None])
+            x = net.rows(parts, frontier.token, hidden)[None]                       # [1, F, D]
+            pos = torch.full((F,), W + d, device=dev)
+            k, v = net.kv(x, pos)
+            mask = torch.cat([self.valid[None].expand(F, W), anc, eye], dim=1)[None, None]
+            o = net.attend(x, pos, torch.cat([ctx_k, slot_k, k], 1), torch.cat([self.ctx_v[None], slot_v, v], 1),
+                           mask)[0]
+            base = d * F
+            slot_k[0, base:base + F], slot_v[0, base:base + F] = k[0], v[0]
+            slot_hid[base:base + F] = parts.norm(o)
+            slot_anc[base:base + F] = anc
+            slot_of.index_copy_(0, frontier.idx, base + torch.arange(F, device=dev))
+            top = torch.log_softmax(parts.logits(o).float(), dim=-1).topk(self.top_k, dim=-1)
+            ranks = torch.arange(self.top_k, device=dev).expand(F, -1)
+            return top.indices, top.values, ranks
+
+        return grow_tree(root, rows, depth=self.depth, shape=self.shape, top_k=self.top_k,
+                         budget=self.budget, prune_tau=self.prune_tau)
+
+    @torch.no_grad()
+    def propose(self, spec: GraphedSpec) -> None:
+        grown = self._grow(spec.state.root)
+        spec.tokens[0, 1:].copy_(grown.tokens[1:])
+        if self.dynamic:
+            spec.topo.rebuild(grown.parents)
+        row = spec.state.log.row(spec.state.step)
+        spec.state.log.draft_logp.index_copy_(0, row, _pad(grown.logp, spec.state.log.nodes)[None])
+
+    def draft(self, spec: GraphedSpec) -> None:
+        self.observe(spec)
+        self.propose(spec)
+
+    def details(self, start: int, stop: int) -> list[dict]:
+        return [{"drafter": "eagle"} for _ in range(stop - start)]
+
+
 def _pad(x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(n - x.shape[0])]) if x.shape[0] < n else x
 
@@ -268,6 +416,12 @@ def device_drafter_for(drafter, settings: DraftSettings, compile: bool = False,
     With check_only, nothing is built: (None, None) means it can be."""
     if settings.temperature > 0:
         return None, "temperature > 0: the device drafters draft greedily"
+    if isinstance(drafter, EagleDrafter):
+        why = None if settings.tree == "chain" or settings.budget + 1 <= 128 else \
+            f"a tree of {settings.budget} nodes (the tree kernels hold 127)"
+        if why is not None or check_only:
+            return None, why
+        return DeviceEagleDrafter(drafter, settings, compile), None
     if not isinstance(drafter, BlockDrafter):
         name = getattr(drafter, "name", type(drafter).__name__)
         return None, f"the {name} drafter has no device version yet"
@@ -290,4 +444,4 @@ def _block_limits(drafter: BlockDrafter, settings: DraftSettings) -> str | None:
     return None
 
 
-__all__ = ["DeviceBlockDrafter", "device_drafter_for"]
+__all__ = ["DeviceBlockDrafter", "DeviceEagleDrafter", "device_drafter_for"]

@@ -49,6 +49,17 @@ class GrownTree:
     real: torch.Tensor        # [N] bool: a drafted node (the root counts as real)
 
 
+def frontier_width(shape: str, top_k: int, budget: int) -> int:
+    return {"chain": 1, "beam": top_k, "best-first": budget}[shape]
+
+
+def pool_size(shape: str, top_k: int, budget: int, depth: int) -> int:
+    """Entries of `grow_tree`'s candidate pool, the root included (dead entries pad a pool
+    smaller than the budget)."""
+    c = 1 if shape == "chain" else top_k
+    return 1 + max(depth * frontier_width(shape, top_k, budget) * c, budget)
+
+
 def tree_nodes(shape: str, top_k: int, budget: int, depth: int) -> int:
     """Nodes of a grown tree, root included: a chain holds one node per depth."""
     return 1 + (min(budget, depth) if shape == "chain" else budget)
@@ -61,8 +72,8 @@ def grow_tree(root: torch.Tensor, rows: Rows, *, depth: int, shape: str, top_k: 
         raise ValueError(f"tree shape must be one of {', '.join(SHAPES)}, got {shape!r}")
     dev = root.device
     c = 1 if shape == "chain" else top_k
-    F = {"chain": 1, "beam": top_k, "best-first": budget}[shape]
-    M = 1 + max(depth * F * c, budget)         # dead entries pad a pool smaller than the budget
+    F = frontier_width(shape, top_k, budget)
+    M = pool_size(shape, top_k, budget, depth)
     neg = torch.tensor(float("-inf"), device=dev)
     pool_tok = torch.zeros(M, dtype=torch.long, device=dev)
     pool_tok[0] = root.view(())
