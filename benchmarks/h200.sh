@@ -4,6 +4,7 @@
 # (write the hash out where the command is composed: on a copied tree, $(git rev-parse HEAD)
 # can read stale git metadata and record the wrong commit)
 # Stages: tests (pytest -m gpu), kernel-tests (tests/test_kernels.py on the GPU), runtime, kernels, e2e, e2e-quick,
+# app (benchmarks/app_vs_bench.py: the real app over HTTP against the bench's rows; options in APP_ARGS),
 # head (the LiLiCorr head's share of a GDN-1.3B-shape step; options in HEAD_ARGS), head-kernels (benchmarks/bench_lilicorr.py,
 # its options in HEAD_KERNELS_ARGS), acceptance,
 # target (a second training stage of the embedded target from assets/target; needs data/corpus). Needs the
@@ -32,7 +33,7 @@ for stage in "$@"; do
   echo "=== stage $stage"
   case $stage in
     tests) timeout "${T_TESTS:-420}" python3 -m pytest -v -m gpu -p no:cacheprovider --durations=20 \
-             -k "${TESTS_K:-}" ${TESTS_FILES:-tests/test_gpu_runtime.py tests/test_device_drafter.py} > "$R/gpu_tests.txt" 2>&1; tail -30 "$R/gpu_tests.txt" ;;
+             -k "${TESTS_K:-}" ${TESTS_FILES:-tests/test_gpu_runtime.py tests/test_device_drafter.py tests/test_backends.py} > "$R/gpu_tests.txt" 2>&1; tail -30 "$R/gpu_tests.txt" ;;
     kernel-tests) timeout "${T_KERNEL_TESTS:-400}" python3 -m pytest -v -p no:cacheprovider \
              tests/test_kernels.py -k "${KERNEL_TESTS:-not interpreter}" > "$R/gpu_kernel_tests.txt" 2>&1
            tail -5 "$R/gpu_kernel_tests.txt" ;;
@@ -44,6 +45,8 @@ for stage in "$@"; do
     e2e) bench e2e "${T_E2E:-520}" ${E2E_ARGS:-} ;;
     e2e-quick) bench e2e "${T_E2E:-200}" --quick ;;
     acceptance) bench acceptance "${T_ACCEPTANCE:-200}" ;;
+    app) timeout "${T_APP:-540}" python3 benchmarks/app_vs_bench.py --out "$R" --app-args "--device cuda" ${APP_ARGS:-} \
+           2>&1 | tee "$R/log_app_vs_bench.txt" ;;
     target) # the exported weights are too big for the results archive: they go to $OUT/target
       timeout "${T_TARGET:-560}" python3 -m specla.train target --data data/corpus --out /tmp/target2 \
         --backend torch --tokenizer '' --init assets/target \
