@@ -8,10 +8,10 @@
 Backends:
     eager     `specla.decode`: plain PyTorch, one Python loop; the CPU path and the reference
     graphed   `specla.graphs`: CUDA graphs over static buffers; the AR baseline one graph a
-              token, the speculative step three (verify, accept, draft). Greedy block and
-              LiLiCorr drafts (chains and trees) are drafted inside the graphs; other drafters
-              run on the host between replays, and sampling accepts on the host (`plan` says
-              which, and why)
+              token, the speculative step three (verify, accept, draft). Block, LiLiCorr and
+              EAGLE drafts (chains and trees, greedy or sampled) are drafted inside the graphs
+              and accepted there; other drafters (a tree preset, the model-free one) run on the
+              host between replays (`plan` says which, and why)
 
 Both yield the same `StepRecord`s, so a trace does not depend on the backend that made it;
 `elapsed_ms` is the time the step took (wall time eagerly, CUDA events when graphed).
@@ -211,7 +211,7 @@ class Engine:
         net = getattr(getattr(drafter, "inner", drafter), "net", None)
         key = (plan.drafting, type(drafter).__name__, id(net) if net is not None else id(drafter),
                dataclasses.astuple(ds), settings.mode, settings.deferred, capacity,
-               settings.temperature > 0, _preset_size(drafter))
+               settings.temperature, settings.top_p, _preset_size(drafter))
         dec = self._decoders.get(key)
         start = time.perf_counter()
         if dec is None:
@@ -220,7 +220,7 @@ class Engine:
             if plan.drafting == "device":
                 dev, _ = device_drafter_for(drafter, ds, compile=self.compile_drafter, fused_head=self.fused_head)
                 dec = GraphedDecoder(self.packed, dev, ds, capacity, settings.deferred, settings.mode,
-                                     self.use_graph, self.recurrence)
+                                     self.use_graph, self.recurrence, sampling=sampling)
             else:
                 dec = GraphedDecoder(self.packed, drafter, ds, capacity, settings.deferred, settings.mode,
                                      self.use_graph, self.recurrence, sampling=sampling,
@@ -231,8 +231,8 @@ class Engine:
         self.graphs = dec.graphs
         if not dec.on_device:
             dec.drafter = drafter                 # a host drafter's per-run copy
-            dec.sampling = (Sampling(settings.temperature, settings.top_p, settings.seed)
-                            if settings.temperature > 0 else None)
+        if dec.sampling is not None:              # the same graphs, this run's seed
+            dec.sampling = Sampling(settings.temperature, settings.top_p, settings.seed)
         dec.plan = plan
         self.capture_ms = 1e3 * (time.perf_counter() - start)
         return dec
@@ -347,8 +347,6 @@ class Engine:
 
 def _device_blocker(drafter, settings: DecodeSettings, draft_settings: DraftSettings) -> str | None:
     """Why these settings cannot draft on the device (None: they can)."""
-    if settings.temperature > 0:
-        return "temperature > 0 (the device drafters draft greedily)"
     if getattr(drafter, "paths", None):
         return "a tree preset (device drafters grow chains, beams and best-first trees)"
     if settings.mode not in ("auto", "chain", "tree") and draft_settings.tree != "chain":

@@ -15,7 +15,7 @@ import torch
 
 from specla.decode import DecodeSettings, replay_state
 from specla.drafters.base import DraftSettings
-from specla.engine import Engine
+from specla.engine import Engine, Plan
 from specla.trace import step_to_dict
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,27 +101,72 @@ def test_plan_says_where_a_step_runs(cpu_pair):
     graphed = Engine(target, "graphed", use_graph=False)
     greedy, sampled = DecodeSettings(), DecodeSettings(temperature=0.7)
     assert graphed.plan(drafters["block"], greedy, SHAPES["best-first"]).drafting == "device"
-    plan = graphed.plan(drafters["block"], sampled, SHAPES["chain"])
-    assert (plan.drafting, plan.acceptance) == ("host", "host") and "temperature" in plan.note
+    assert graphed.plan(drafters["block"], sampled, SHAPES["chain"]) == Plan("graphed", "device", "device")
     assert graphed.plan(drafters["eagle"], greedy, SHAPES["best-first"]).drafting == "device"
     from specla.runner import PresetShape
     plan = graphed.plan(PresetShape(drafters["block"], [[0], [1], [0, 0]]), greedy, SHAPES["chain"])
     assert plan.drafting == "host" and "preset" in plan.note
+    plan = graphed.plan(PresetShape(drafters["block"], [[0], [1], [0, 0]]), sampled, SHAPES["chain"])
+    assert (plan.drafting, plan.acceptance) == ("host", "host")
     assert Engine(target, "eager").plan(drafters["block"], greedy, SHAPES["chain"]).backend == "eager"
     with pytest.raises(ValueError, match="backend"):
         Engine(target, "fast")
 
 
-def test_graphed_sampling_equals_eager_sampling(cpu_pair):
-    """Sampling on the graphed backend (verify graphed, rejection sampling on the host) draws
-    the same tokens as the eager loop from the same seed."""
+def test_host_sampling_equals_eager_sampling(cpu_pair):
+    """A host drafter on the graphed backend (a tree preset: verify graphed, rejection sampling
+    on the host) draws the same tokens as the eager loop from the same seed."""
+    from specla.runner import PresetShape
+
     target, drafters, prompts = cpu_pair
     eager, graphed = Engine(target, "eager"), Engine(target, "graphed", use_graph=False)
-    for kind, shape in (("block", "chain"), ("eagle", "best-first")):
-        settings = DecodeSettings(max_new_tokens=20, temperature=0.8, seed=3)
-        a = [t for r in eager.speculate(prompts[0], drafters[kind], settings, SHAPES[shape]) for t in r.new_tokens]
-        b = [t for r in graphed.speculate(prompts[0], drafters[kind], settings, SHAPES[shape]) for t in r.new_tokens]
-        assert a == b, kind
+    preset = [[0], [1], [0, 0], [0, 0, 0]]
+    settings = DecodeSettings(max_new_tokens=20, temperature=0.8, seed=3)
+    runs = [[t for r in engine.speculate(prompts[0], PresetShape(drafters["block"], preset), settings, SHAPES["chain"])
+             for t in r.new_tokens] for engine in (eager, graphed)]
+    assert runs[0] == runs[1]
+
+
+SAMPLING_CASES = [("block", "chain"), ("block", "best-first"), ("eagle", "chain")]
+
+
+def device_sampling_chi2(kind: str, shape: str, device: str) -> tuple[float, float]:
+    """Two sampled tokens after a prompt, 1500 times, drawn by a device drafter and accepted on
+    the device: their joint distribution against the target's exact one (chi-square)."""
+    from specla.drafters import new_drafter
+    from tests.helpers import random_target
+    from tests.test_engine import chi2_critical, exact_two_token_distribution
+
+    target = random_target(vocab=6, hidden=32, heads=2, head_dim=8, std=0.6, seed=5)
+    prompt, n = [1, 2, 3], 1500
+    expected = exact_two_token_distribution(target, prompt, 1.0)
+    torch.manual_seed(0)
+    if kind == "block":
+        drafter = new_drafter(kind, target, top_k=2, feature_layers=(0, 1), block_size=4, width=16, heads=2,
+                              mlp_hidden=32, window=8)
+    else:
+        drafter = new_drafter(kind, target, top_k=2, heads=2, mlp_hidden=32, window=8)
+    target = target.to(device)
+    # head_dim 8 is below what the Triton verify kernels take: the torch recurrence on the GPU
+    engine = Engine(target, "graphed", use_graph=None if device == "cuda" else False,
+                    recurrence="torch" if device == "cuda" else "kernels")
+    ds = DraftSettings(tree=shape, top_k=2, budget=3, block_size=4, depth=3)
+    counts = torch.zeros_like(expected)
+    for seed in range(n):
+        settings = DecodeSettings(max_new_tokens=2, temperature=1.0, seed=seed)
+        assert engine.plan(drafter, settings, ds).acceptance == "device"
+        tokens = [t for r in engine.speculate(prompt, drafter, settings, ds) for t in r.new_tokens]
+        counts[tokens[0] * 6 + tokens[1]] += 1
+    keep = expected * n >= 5           # pool the rare cells, as the chi-square test requires
+    obs = torch.cat([counts[keep], counts[~keep].sum().view(1)])
+    exp = torch.cat([expected[keep] * n, (expected[~keep].sum() * n).view(1)])
+    return float(((obs - exp) ** 2 / exp.clamp_min(1e-9)).sum()), chi2_critical(int(keep.sum()))
+
+
+@pytest.mark.parametrize("kind,shape", SAMPLING_CASES)
+def test_device_sampling_follows_the_target_distribution(kind, shape):
+    chi2, critical = device_sampling_chi2(kind, shape, "cpu")
+    assert chi2 < critical, f"chi2={chi2:.1f} >= {critical:.1f}"
 
 
 @needs_cuda
@@ -163,3 +208,13 @@ def test_graphed_oracle_equals_ar_and_accepts():
         assert [t for r in records for t in r.new_tokens] == ar, shape
         assert sum(len(r.acceptance.tokens) for r in records) >= len(records), "alpha 0.8 accepts about 2+ a step"
         assert all(set(r.times_ms) == {"draft", "verify", "accept"} for r in records)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,shape", SAMPLING_CASES)
+def test_device_sampling_follows_the_target_distribution_cuda(kind, shape):
+    """The same chi-square test with the drafts and the rejection sampling captured in CUDA
+    graphs (torch's CUDA generator inside the graphs)."""
+    chi2, critical = device_sampling_chi2(kind, shape, "cuda")
+    assert chi2 < critical, f"chi2={chi2:.1f} >= {critical:.1f}"

@@ -10,8 +10,10 @@ target forward either way:
                       no device version); one graph per draft-size bucket (chains padded at
                       their end, trees with dummy nodes off the root, the topology rewritten
                       in place), all sharing one `SpecState`
-    host acceptance   sampling (temperature > 0): the host draws the lossless rejection
-                      sample from the verified logits between the verify and accept graphs
+    sampling          (temperature > 0) a device drafter draws its chain and the acceptance
+                      samples inside the accept graph (`specla.graphs.sampling`); with a host
+                      drafter the host draws the lossless rejection sample from the verified
+                      logits between the verify and accept graphs
 
 Every body also runs eagerly (`use_graph=False`, the CPU), so the tests check the logic there.
 """
@@ -72,8 +74,6 @@ class GraphedDecoder:
         self.max_graphs, self.specs = max_graphs, {}
         self.feature_layers = tuple(drafter.feature_layers)
         self.capture_ms = 0.0
-        if sampling is not None and self.on_device:
-            raise ValueError("sampling runs with host drafters (a device drafter drafts greedily)")
         if self.on_device:
             template = drafter.template()
             self.state = SpecState(packed, max_path=drafter.max_depth + 1, capacity=capacity,
@@ -83,9 +83,11 @@ class GraphedDecoder:
             # the device; on the CPU the torch recurrence reads the rebuilt masks
             recurrence = "torch" if drafter.dynamic and packed.device.type != "cuda" else recurrence
             t0 = time.perf_counter()
+            # sampling: the drafter draws on the device and the acceptance samples there too
             self.spec = GraphedSpec(packed, self.state, template, mode="tree" if drafter.dynamic else mode,
                                     deferred=deferred, feature_layers=self.feature_layers,
-                                    use_graph=self.use_graph, recurrence=recurrence, drafter=drafter)
+                                    use_graph=self.use_graph, recurrence=recurrence, drafter=drafter,
+                                    sampling=None if sampling is None else (sampling.temperature, sampling.top_p))
             self.first_graph = self._capture_first() if self.spec.use_graph else None
             self.capture_ms = 1e3 * (time.perf_counter() - t0)
         else:
@@ -144,6 +146,8 @@ class GraphedDecoder:
         if n > self.state.capacity:
             raise ValueError(f"{n} tokens exceed this decoder's capacity ({self.state.capacity})")
         self.start(prompt, prefilled)
+        if self.sampling is not None:       # the device's draws, reproducible from the seed
+            torch.manual_seed(self.sampling.seed)
         if self.on_device:
             yield from self._device_steps(n)
         else:

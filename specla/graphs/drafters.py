@@ -44,7 +44,7 @@ class DeviceBlockDrafter:
     """A loaded `BlockDrafter` / `LiLiCorrDrafter` drafting from static device buffers.
 
     The settings are the host drafter's (`DraftSettings`): tree shape, top-k, node budget,
-    block size, confidence pruning; greedy only (temperature 0). fused_head: run the LiLiCorr
+    block size, confidence pruning, temperature. fused_head: run the LiLiCorr
     head and walk as Triton kernels (None: wherever `kernels.triton_lilicorr.unsupported`
     allows, i.e. on CUDA for a supported head shape; True: the same, or an error saying why
     not; False: torch ops). compile: `torch.compile` the draft's torch ops.
@@ -54,8 +54,6 @@ class DeviceBlockDrafter:
                  fused_head: bool | None = None):
         net, c = drafter.net, drafter.net.config
         settings.validate(drafter.parts.vocab_size)
-        if settings.temperature > 0:
-            raise ValueError("the device drafter drafts greedily (temperature 0)")
         self.net, self.parts, self.feature_layers = net, drafter.parts, tuple(drafter.feature_layers)
         why = _block_limits(drafter, settings)
         if why is not None:
@@ -63,6 +61,10 @@ class DeviceBlockDrafter:
         self.settings = settings
         self.slots = settings.block_size - 1                 # slots of the block pass / lattice
         self.shape, self.budget, self.prune_tau = settings.tree, settings.budget, settings.prune_tau
+        # at temperature > 0 a chain is drawn from the drafter's distribution (its rows are the
+        # proposal the acceptance needs); a tree keeps its top-k candidates (point masses)
+        self.temperature = settings.temperature
+        self.samples_chains = self.temperature > 0 and self.shape == "chain"
         # top-1 needs no head: a LiLiCorr drafter at top-k 1 drafts the block drafter's chain
         self.lilicorr = isinstance(drafter, LiLiCorrDrafter) and net.head is not None and settings.top_k > 1
         self.single_candidate = isinstance(drafter, LiLiCorrDrafter) and not self.lilicorr  # log-prob 0, as the host
@@ -194,17 +196,49 @@ class DeviceBlockDrafter:
     @torch.no_grad()
     def scores(self, root: torch.Tensor) -> dict[str, torch.Tensor]:
         """The block pass and each slot's top-k (and LiLiCorr's lattice scores and walk),
-        batch dimension dropped: cand / cand_logp [S, k], start [k], pair [S-1, k, k], chosen [S]."""
+        batch dimension dropped: cand / cand_logp [S, k], start [k], pair [S-1, k, k], chosen [S];
+        and the slot logits [1, S, V]."""
         h, logits = self._slot_logits(root)
         if not self.lilicorr:
             cand, cand_logp = candidates(logits[0], self.top_k)
-            return {"cand": cand, "cand_logp": cand_logp}
+            return {"cand": cand, "cand_logp": cand_logp, "logits": logits}
         if self.fused_head is not None:
             out = self.fused_head.draft(logits, h, self.anchor())
             parts = (out.cand, out.cand_logp, out.start, out.pair, out.ranks)
         else:
             parts = self._torch_lattice(logits, h, self.anchor())
-        return dict(zip(("cand", "cand_logp", "start", "pair", "chosen"), (p[0] for p in parts)))
+        scores = dict(zip(("cand", "cand_logp", "start", "pair", "chosen"), (p[0] for p in parts)))
+        return dict(scores, logits=logits)
+
+    @torch.no_grad()
+    def sampled_chain(self, root: torch.Tensor, logits: torch.Tensor,
+                      scores: dict[str, torch.Tensor]) -> tuple[GrownTree, torch.Tensor]:
+        """A chain drawn at the temperature (each slot from softmax(logits / T); LiLiCorr: each
+        slot's candidate from softmax(row / T), the row out of the previous pick), and the
+        proposal rows [S, V] it was drawn from."""
+        from specla.graphs.sampling import gumbel_draw
+
+        T, S = self.temperature, self.slots
+        if not self.lilicorr:
+            q = torch.softmax(logits[0] / T, dim=-1)                               # [S, V]
+            tokens = torch.cat([gumbel_draw(q[s]) for s in range(S)])
+        else:
+            cand, start, pair = scores["cand"], scores["start"], scores["pair"]
+            row, picks, qs = start.float(), [], []
+            for s in range(S):
+                q_s = torch.softmax(row / T, dim=-1)
+                r = gumbel_draw(q_s)
+                picks.append(r)
+                qs.append(q_s)
+                if s < S - 1:
+                    row = pair[s].index_select(0, r)[0].float()
+            ranks, q_k = torch.cat(picks), torch.stack(qs)                            # [S], [S, k]
+            tokens = cand.gather(1, ranks[:, None])[:, 0]
+            q = torch.zeros(S, logits.shape[-1], device=root.device).scatter(1, cand, q_k)
+        logp = q.gather(1, tokens[:, None]).clamp_min(1e-30).log()
+        grown = grow_tree(root, static_rows(tokens[:, None], logp), depth=S, shape="chain", top_k=1,
+                          budget=self.budget, prune_tau=self.prune_tau)
+        return grown, q
 
     @torch.no_grad()
     def choose(self, root: torch.Tensor, scores: dict[str, torch.Tensor]) -> GrownTree:
@@ -233,7 +267,12 @@ class DeviceBlockDrafter:
         """Draft the next step after the spec's root into `spec.tokens` (and its topology)."""
         root = spec.state.root
         scores = self.scores(root)
-        grown = self._choose(root, scores)
+        if self.samples_chains:
+            grown, q = self.sampled_chain(root, scores.pop("logits"), scores)
+            spec.proposal[1:].copy_(q[:spec.proposal.shape[0] - 1])
+        else:
+            scores.pop("logits")
+            grown = self._choose(root, scores)
         spec.tokens[0, 1:].copy_(grown.tokens[1:])
         if self.dynamic:
             spec.topo.rebuild(grown.parents)
@@ -272,12 +311,12 @@ class DeviceEagleDrafter:
 
     def __init__(self, drafter: EagleDrafter, settings: DraftSettings, compile: bool = False):
         settings.validate(drafter.parts.vocab_size)
-        if settings.temperature > 0:
-            raise ValueError("the device drafter drafts greedily (temperature 0)")
         net, c = drafter.net, drafter.net.config
         self.net, self.parts, self.feature_layers = net, drafter.parts, ()
         self.shape, self.budget, self.depth, self.prune_tau = settings.tree, settings.budget, settings.depth, settings.prune_tau
         self.top_k = 1 if self.shape == "chain" else settings.top_k
+        self.temperature = settings.temperature
+        self.samples_chains = self.temperature > 0 and self.shape == "chain"
         self.nodes = tree_nodes(self.shape, self.top_k, self.budget, self.depth)
         self.max_depth = min(self.depth, self.budget)
         self.dynamic = self.shape != "chain"
@@ -346,9 +385,12 @@ class DeviceEagleDrafter:
 
     # -- drafting ---------------------------------------------------------------------------
     @torch.no_grad()
-    def grow(self, root: torch.Tensor) -> GrownTree:
+    def grow(self, root: torch.Tensor) -> tuple[GrownTree, torch.Tensor | None]:
         """The tree search: at each depth the layer runs over the whole frontier (queries),
-        seeing the accepted rows, the processed ancestors of each query and itself."""
+        seeing the accepted rows, the processed ancestors of each query and itself. At
+        temperature > 0 a chain is drawn instead: also its proposal rows [depth, V]."""
+        from specla.graphs.sampling import gumbel_draw
+
         net, parts, W, F = self.net, self.parts, self.window, self.width
         dev = root.device
         slots = self.depth * F
@@ -382,16 +424,25 @@ class DeviceEagleDrafter:
             slot_hid[base:base + F] = parts.norm(o)
             slot_anc[base:base + F] = anc
             slot_of.index_copy_(0, frontier.idx, base + torch.arange(F, device=dev))
-            top = torch.log_softmax(parts.logits(o).float(), dim=-1).topk(self.top_k, dim=-1)
             ranks = torch.arange(self.top_k, device=dev).expand(F, -1)
+            if self.samples_chains:          # one child drawn from softmax(logits / T)
+                q = torch.softmax(parts.logits(o).float() / self.temperature, dim=-1)      # [1, V]
+                token = gumbel_draw(q[0])
+                proposal.append(q[0])
+                return token[None], q.gather(1, token[None]).clamp_min(1e-30).log(), ranks
+            top = torch.log_softmax(parts.logits(o).float(), dim=-1).topk(self.top_k, dim=-1)
             return top.indices, top.values, ranks
 
-        return grow_tree(root, rows, depth=self.depth, shape=self.shape, top_k=self.top_k,
-                         budget=self.budget, prune_tau=self.prune_tau)
+        proposal: list[torch.Tensor] = []
+        grown = grow_tree(root, rows, depth=self.depth, shape=self.shape, top_k=self.top_k,
+                          budget=self.budget, prune_tau=self.prune_tau)
+        return grown, (torch.stack(proposal) if proposal else None)
 
     @torch.no_grad()
     def propose(self, spec: GraphedSpec) -> None:
-        grown = self._grow(spec.state.root)
+        grown, q = self._grow(spec.state.root)
+        if q is not None:
+            spec.proposal[1:].copy_(q[:spec.proposal.shape[0] - 1])
         spec.tokens[0, 1:].copy_(grown.tokens[1:])
         if self.dynamic:
             spec.topo.rebuild(grown.parents)
@@ -414,8 +465,6 @@ def device_drafter_for(drafter, settings: DraftSettings, compile: bool = False,
                        fused_head: bool | None = None, check_only: bool = False):
     """(the device twin of a host drafter for these settings, None), or (None, why not).
     With check_only, nothing is built: (None, None) means it can be."""
-    if settings.temperature > 0:
-        return None, "temperature > 0: the device drafters draft greedily"
     if isinstance(drafter, EagleDrafter):
         why = None if settings.tree == "chain" or settings.budget + 1 <= 128 else \
             f"a tree of {settings.budget} nodes (the tree kernels hold 127)"

@@ -302,7 +302,8 @@ class GraphedSpec:
                  deferred: bool = True, oracle: DeviceOracle | None = None,
                  feature_layers: tuple[int, ...] = (), use_graph: bool | None = None,
                  recurrence: str = "kernels", dynamic: bool = False, drafter=None,
-                 host_accept: bool = False, whole_step: bool = False):
+                 host_accept: bool = False, whole_step: bool = False,
+                 sampling: tuple[float, float] | None = None):
         from specla.verify import resolve_mode
 
         if oracle is not None and drafter is not None:
@@ -310,6 +311,7 @@ class GraphedSpec:
         self.rt, self.state, self.oracle, self.drafter = rt, state, oracle, drafter
         self.deferred, self.feature_layers, self.recurrence = deferred, tuple(feature_layers), recurrence
         self.host_accept = host_accept
+        self.sampling = sampling                    # (temperature, top-p): rejection sampling here
         self.topo = SpecTopology(tree, rt.config.conv_size, state.max_path, rt.device)
         self.mode = resolve_mode(mode, self.topo.model_topo, rt.device.type)
         # A graph that serves every tree of its size must not bake in a host-built schedule:
@@ -327,6 +329,9 @@ class GraphedSpec:
         self.features = (torch.zeros(n, len(self.feature_layers), c.hidden_size, device=dev, dtype=rt.dtype)
                          if self.feature_layers else None)
         self.result = torch.zeros(3 + state.max_path, dtype=torch.long, device=dev)  # a, end, bonus, path
+        # the distributions a sampled chain's tokens were drawn from (a device drafter writes them)
+        self.proposal = (torch.zeros(n, c.vocab_size, device=dev)
+                         if sampling is not None and getattr(drafter, "samples_chains", False) else None)
         self._log_pad = torch.full((state.log.nodes - n,), -1, dtype=torch.long, device=dev)
         self.use_graph = dev.type == "cuda" if use_graph is None else use_graph
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
@@ -361,25 +366,37 @@ class GraphedSpec:
         """Acceptance (greedy on the device, or the host's from `result`), then the commit
         (now or deferred), the conv window, the bookkeeping and the step log."""
         tok = self.tokens[0]
+        probs = None
         if self.host_accept:
             a, end, bonus = self.result[0:1], self.result[1:2], self.result[2:3]
             path = self.result[3:]
             valid = self.topo.arange_p <= a
+        elif self.sampling is not None:
+            from specla.graphs.sampling import sample_accept, target_probs
+            probs = target_probs(self.logits, *self.sampling)
+            a, end, path, valid, bonus = sample_accept(self.topo, tok, probs, max(1, self.drafter.top_k),
+                                                       self.proposal)
         else:
             a, end, path, valid, bonus = greedy_accept(self.topo, tok, self.logits)
-        self._log(tok)
+        self._log(tok, probs)
         self._commit(path, valid)
         self._conv_window(path, a)
         self._bookkeep(tok, path, a, bonus, end)
 
-    def _log(self, tok) -> None:
-        """The verified tree and the target's view of every node, into the step log's row."""
+    def _log(self, tok, probs: torch.Tensor | None = None) -> None:
+        """The verified tree and the target's view of every node, into the step log's row:
+        its probability of each node's token at the node's parent (at temperature 1, or the
+        sampling distribution `probs`)."""
         st, topo = self.state, self.topo
         row = st.log.row(st.step)
         logits = self.logits
-        lse = torch.logsumexp(logits, dim=-1)                                         # [N]
-        at_parent = logits.index_select(0, topo.parent).gather(1, tok.clamp(min=0)[:, None])[:, 0]
-        prob = torch.where(topo.is_root, 1.0, (at_parent - lse.index_select(0, topo.parent)).exp())
+        if probs is None:
+            lse = torch.logsumexp(logits, dim=-1)                                     # [N]
+            at_parent = logits.index_select(0, topo.parent).gather(1, tok.clamp(min=0)[:, None])[:, 0]
+            prob = (at_parent - lse.index_select(0, topo.parent)).exp()
+        else:
+            prob = probs.index_select(0, topo.parent).gather(1, tok.clamp(min=0)[:, None])[:, 0]
+        prob = torch.where(topo.is_root, 1.0, prob)
         prob = torch.where(tok < 0, 0.0, prob)
         choice = logits.argmax(-1)
         log = st.log
