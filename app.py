@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="folder with <kind>/ drafter checkpoints (default: assets/drafters)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
-                   help="target precision (auto: fp32 on the CPU and for small models on a GPU, else bf16)")
+                   help="target precision (auto: fp32 on the CPU, bf16 on a GPU)")
     p.add_argument("--backend", choices=("auto", "eager", "graphed"), default="auto",
                    help="decoding backend (auto: CUDA graphs on a GPU, the eager loop on the CPU)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")

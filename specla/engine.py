@@ -76,6 +76,13 @@ class Engine:
         self.use_graph = use_graph
         self.recurrence = recurrence
         self.compile_drafter = (self.device.type == "cuda") if compile_drafter is None else compile_drafter
+        if self.compile_drafter:
+            # every settings bucket compiles the same drafter methods for another instance:
+            # dynamo's default of 8 versions a function would fall back to eager drafting
+            import torch._dynamo
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+            torch._dynamo.config.accumulated_cache_size_limit = max(
+                torch._dynamo.config.accumulated_cache_size_limit, 4096)
         self.fused_head = fused_head
         self.packed = None
         self.ops_note = "plain-torch reference ops"

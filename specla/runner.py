@@ -168,7 +168,6 @@ def tiny_random_runtime(seed: int = 0, device: str = "cpu", note: str = "",
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-SMALL_MODEL_PARAMS = 100_000_000   # "auto" runs targets below this in fp32 on a GPU
 
 
 RANDOM_1P3B = "gdn-1.3b-random"
@@ -230,9 +229,9 @@ def load_runtime(model: str | None = None, drafters: str | None = None,
 
     Without a model in assets/ (and none given), a tiny random demo runtime is returned
     with a note saying so. The oracle drafter is always offered, labelled as measurement.
-    dtype: bf16 | fp32 | auto (fp32 on the CPU; on a GPU fp32 for small targets, whose step
-    is launch latency, so that speculation equals AR token for token; bf16 above
-    SMALL_MODEL_PARAMS). backend: the engine's (auto: CUDA graphs on a GPU).
+    dtype: bf16 | fp32 | auto (fp32 on the CPU, bf16 on a GPU: on the H200 fp32 made the
+    embedded model's verification 1.9x slower, benchmarks/results/h200/session7/). backend:
+    the engine's (auto: CUDA graphs on a GPU).
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dtype not in ("auto", *DTYPES):
@@ -249,9 +248,8 @@ def load_runtime(model: str | None = None, drafters: str | None = None,
     from specla.drafters import load_drafter
 
     path = model or str(ASSETS / "target")
-    target, tokenizer, report = load_model(path, device, DTYPES.get(dtype, torch.float32))
-    if dtype == "auto" and device == "cuda" and sum(p.numel() for p in target.parameters()) >= SMALL_MODEL_PARAMS:
-        target = target.to(torch.bfloat16)
+    auto = torch.bfloat16 if device == "cuda" else torch.float32
+    target, tokenizer, report = load_model(path, device, DTYPES.get(dtype, auto))
     target.eval()
     if tokenizer is None:
         if not (ASSETS / "tokenizer.json").exists():

@@ -74,7 +74,7 @@ def grow_tree(root: torch.Tensor, rows: Rows, *, depth: int, shape: str, top_k: 
     c = 1 if shape == "chain" else top_k
     F = frontier_width(shape, top_k, budget)
     M = pool_size(shape, top_k, budget, depth)
-    neg = torch.tensor(float("-inf"), device=dev)
+    neg = torch.full((), float("-inf"), device=dev)
     pool_tok = torch.zeros(M, dtype=torch.long, device=dev)
     pool_tok[0] = root.view(())
     pool_parent = torch.zeros(M, dtype=torch.long, device=dev)
@@ -122,7 +122,7 @@ def _select(root, pool_tok, pool_parent, pool_lp, pool_score, pool_depth, pool_c
             chain: bool) -> GrownTree:
     """The best `budget` candidates in tree order (see the module docstring)."""
     dev = root.device
-    neg = torch.tensor(float("-inf"), device=dev)
+    neg = torch.full((), float("-inf"), device=dev)
     # rank key (score desc, depth asc, index asc) over the pool without the root, by stable
     # sorts from the least significant key up
     key = torch.where(pool_cand, pool_score, neg)[1:]
