@@ -422,8 +422,11 @@ def _drafter_for_run(runtime: Runtime, s: dict, prompt_tokens: list[int], ar_tok
     return PresetShape(drafter, s["paths"]) if s["paths"] else drafter
 
 
-def run(runtime: Runtime, prompt: str, settings: dict | None = None) -> Iterator[dict]:
+def run(runtime: Runtime, prompt: str, settings: dict | None = None) -> Iterator[dict | None]:
     """Measure AR, then decode speculatively; yield partial traces, the last one complete.
+
+    Each trace is a snapshot that later steps never change. After a step with nothing new
+    to show (streamed traces are throttled) it yields None, so a consumer can stop there.
 
     Each phase is warmed up first (a few tokens). The speculative time counts the time
     spent producing each step (prefill excluded, as for AR), not the time the consumer
@@ -452,7 +455,7 @@ def run(runtime: Runtime, prompt: str, settings: dict | None = None) -> Iterator
     seconds, produced = 0.0, 0
     every = max(1, math.ceil(s["max_new_tokens"] / UPDATES_PER_RUN))
     next_update = every
-    yield make(steps, seconds)
+    yield make(list(steps), seconds)
     gen = speculative_steps(target, drafter, tokens, _decode_settings(s, runtime), _draft_settings(s), eos)
     while True:
         start = time.perf_counter()
@@ -466,8 +469,10 @@ def run(runtime: Runtime, prompt: str, settings: dict | None = None) -> Iterator
         produced += len(rec.new_tokens)
         if produced >= next_update and produced < s["max_new_tokens"]:
             next_update = produced + every
-            yield make(steps, seconds)
-    yield make(steps, seconds)
+            yield make(list(steps), seconds)
+        else:
+            yield None     # a heartbeat: nothing new to show, but a consumer may stop here
+    yield make(list(steps), seconds)
 
 
 def reveal(trace: dict, n_steps: int) -> dict:
