@@ -258,6 +258,8 @@ def check_consistency(trace: dict) -> None:
         new = step["new_tokens"]
         _require(0 < len(new) <= len(made) and new == made[:len(new)],
                  f"step {i}: its new tokens are not its accepted tokens plus the bonus (cut at the end)")
+        _require(len(new) == len(made) or i == len(steps) - 1,
+                 f"step {i} kept fewer tokens than it verified, but only a run's last step is cut")
     tokens, sources, step_of = output_tokens(steps)
     _require(output.get("tokens") == tokens, "the output tokens are not the steps' new tokens in order")
     _require(output.get("sources") == sources and output.get("step_of") == step_of,

@@ -23,7 +23,8 @@ from specla import figures as F  # noqa: E402
 from specla import runner  # noqa: E402
 from specla.decode import DecodeSettings, ar_generate  # noqa: E402
 from specla.explorer import CONTROL_DEFAULTS, CONTROLS, N_REPLAY, N_VIEWS, Explorer, control_values  # noqa: E402
-from specla.trace import MAX_TRACE_BYTES, TraceError, lattice_with_prefixes, load_trace, validate_trace  # noqa: E402
+from specla.trace import (MAX_TRACE_BYTES, TraceError, lattice_with_prefixes, load_trace,  # noqa: E402
+                          output_tokens, validate_trace)
 
 ERROR, DONE = "**Error:**", "**Done**"
 # gr.Warning outside a page falls back to warnings.warn: expected here
@@ -342,17 +343,29 @@ def test_a_trace_with_wrong_types_inside_still_replays(ex, beam_trace, tmp_path,
     load_trace(runner.export_trace(out[9]))
 
 
+def cut_an_early_step(trace: dict) -> None:
+    """Drop the bonus of a step before the last, output and summary made to agree, as if cut."""
+    step = next(s for s in trace["steps"][:-1] if len(s["new_tokens"]) >= 2)
+    step["new_tokens"] = step["new_tokens"][:-1]
+    tokens, sources, step_of = output_tokens(trace["steps"])
+    trace["output"].update(tokens=tokens, sources=sources, step_of=step_of)
+    trace["summary"]["new_tokens"] = len(tokens)
+
+
 @pytest.mark.parametrize("break_it,expect", [
     (lambda t: t["summary"].update(new_tokens=t["summary"]["new_tokens"] + 5), "summary counts"),
     (lambda t: t["summary"].update(target_forwards=1), "target forwards"),
-    (lambda t: t["steps"].append(dict(t["steps"][-1], index=len(t["steps"]))), "output tokens"),
+    (lambda t: t["steps"].append(dict(t["steps"][0], index=len(t["steps"]))),
+     "output tokens|only a run's last step"),
     (lambda t: t["token_text"].pop(str(t["output"]["tokens"][-1])), "has no text"),
     (lambda t: t["token_text"].pop(str(t["steps"][0]["tree"]["tokens"][-1])), "has no text"),
     (lambda t: t["steps"][0].update(new_tokens=[1, 2, 3]), "not its accepted tokens"),
     (lambda t: t["steps"][0]["tree"].update(tokens=["a"] * len(t["steps"][0]["tree"]["tokens"])),
      "not a token id"),
     (lambda t: t["summary"].update(speedup_spread=[2.0, 1.0]), "speedup_spread"),
-], ids=["tokens", "forwards", "extra-step", "output-text", "tree-text", "new-tokens", "str-token", "spread"])
+    (cut_an_early_step, "only a run's last step is cut"),
+], ids=["tokens", "forwards", "extra-step", "output-text", "tree-text", "new-tokens", "str-token", "spread",
+        "cut-early"])
 def test_an_inconsistent_trace_is_refused_on_export_and_on_load(beam_trace, tmp_path, break_it, expect):
     broken = json.loads(json.dumps(beam_trace))
     break_it(broken)
