@@ -194,6 +194,29 @@ def discard_upload(path: str | os.PathLike) -> None:
         log.info("upload %s not removed: %s", path, err)
 
 
+class Page(gr.Blocks):
+    """gr.Blocks that answers a malformed request with a message instead of a traceback.
+
+    Gradio checks some inputs itself before any handler runs: a call with too few values,
+    or a value that is not a file where a file is expected. Those are the caller's errors
+    (ValueErrors, pydantic's included); they go back as a gr.Error naming the problem and
+    leave the server log clean.
+    """
+
+    async def preprocess_data(self, block_fn, inputs, state, explicit_call=False):
+        try:
+            return await super().preprocess_data(block_fn, inputs, state, explicit_call)
+        except gr.Error:
+            raise
+        except ValueError as err:
+            if "FileData" in str(err):
+                message = "this parameter takes a file, uploaded with it (gradio_client: handle_file(path))"
+            else:
+                lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+                message = lines[0] if lines else type(err).__name__
+            raise gr.Error(f"Bad request: {message[:300]}", print_exception=False) from None
+
+
 class Explorer:
     """The event functions. `run_fn(prompt, settings)` yields traces, or None after a step
     with nothing new to show (runner.run by default; app.py passes a GPU-decorated wrapper)."""
@@ -502,7 +525,7 @@ def build_demo(runtime: runner.Runtime, run_fn: Callable | None = None, model_li
     model_line = (f"**Model:** {html.escape(runtime.model_name)} · {ex.hardware} · drafters: "
                   + ", ".join(runtime.labels[n] for n in runtime.drafters))
     # uploads and cached outputs older than an hour are deleted every 10 minutes
-    with gr.Blocks(title="SpecLA Explorer", delete_cache=(600, 3600)) as demo:
+    with Page(title="SpecLA Explorer", delete_cache=(600, 3600)) as demo:
         gr.Markdown(INTRO)
         gr.Markdown(model_line)
         if runtime.note:

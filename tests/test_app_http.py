@@ -158,3 +158,25 @@ def test_an_oversized_upload_is_refused_before_it_is_stored(app, tmp_path):
                            timeout=60)
     assert reply.status_code == 413 and str(MAX_TRACE_BYTES) in reply.text
     assert explorer.LAUNCH_KWARGS["max_file_size"] == MAX_TRACE_BYTES      # the browser refuses it unsent
+
+
+def raw_call(url: str, endpoint: str, data: list) -> str:
+    """POST a request as any HTTP client could and return the event stream it answers with."""
+    event = httpx.post(url + f"gradio_api/call/{endpoint}", json={"data": data}, timeout=30).json()["event_id"]
+    return httpx.get(url + f"gradio_api/call/{endpoint}/{event}", timeout=60).text
+
+
+@pytest.mark.parametrize("endpoint,data,expect", [
+    ("replay", ["not a file"], "this parameter takes a file"),
+    ("replay", [{"path": "/etc/hostname"}], "this parameter takes a file"),
+    ("run", [], "didn't receive enough input values (needed: 16, got: 0)"),
+    ("scrub", ["abc"], "step must be a number, got 'abc'"),
+    ("step", ["def f():", runner.ORACLE, 0.8, "chain", "", "x", 8, 6, 8, 0, "auto", True, 0, 1, 4, 0],
+     "top k must be a number, got 'x'"),
+], ids=["replay-text", "replay-path", "run-missing", "scrub-text", "step-text"])
+def test_malformed_raw_requests_get_a_message_and_no_traceback(app, capfd, endpoint, data, expect):
+    rt, url = app
+    stream = raw_call(url, endpoint, data)
+    assert expect in stream, stream[-400:]
+    assert '"error": null' not in stream
+    assert "Traceback" not in capfd.readouterr().err
