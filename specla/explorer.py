@@ -350,8 +350,9 @@ class Explorer:
                              f"All {plural(len(trace['steps']), 'step')} revealed. Press Run or change the prompt.")
             return
         runner.encode_prompt(self.runtime, runner.clean_prompt(prompt))
-        yield ("Step mode: decoding the whole run once in the background; each click then reveals one step…",) \
-            + (gr.skip(),) * (N_VIEWS - 1)
+        # a new run: the kept trace is cleared, so a Stop now keeps nothing of the previous one
+        yield (("Step mode: decoding the whole run once in the background; each click then reveals one step…",)
+               + (gr.skip(),) * (N_VIEWS - 3) + (None, None))
         full = None
         for update in self.run_fn(prompt, settings):
             if update is None:

@@ -420,6 +420,17 @@ def test_stop_redraws_the_kept_partial_trace(ex, beam_trace):
     assert "before the first step" in ex.on_stop(None, None)[0]
 
 
+def test_a_new_run_or_step_decode_clears_the_kept_trace_once_its_input_is_checked(ex, beam_trace):
+    """Stop during the AR measurement (or a Step's background decode) must not keep the previous run."""
+    values = control_values(ex.runtime, drafter=runner.ORACLE, max_new_tokens=4)
+    for gen in (ex.on_run("def g():", *values), ex.on_step("def g():", beam_trace, 3, *values)):
+        first = next(gen)
+        gen.close()
+        assert first[9] is None and first[10] is None
+    bad = drain(ex.on_run("", *values))[-1]                        # refused input keeps the trace
+    assert bad[9] == gr.skip() and bad[10] == gr.skip()
+
+
 def test_reset_clears_every_view(ex):
     out = ex.on_reset()
     assert out[0] == "Ready." and out[9] is None and out[10] is None
