@@ -265,13 +265,13 @@ class Explorer:
                 draw(lambda t, _: self.summary_md(t), None), full if full is not None else trace, cursor)
 
     def summary_md(self, trace: dict | None) -> str:
+        """The run in one line: tokens, forwards, τ, the measured speedup (and its spread), phase times."""
         if not trace or not trace.get("steps"):
             return ""
         s, b, m = trace.get("summary") or {}, trace.get("baseline") or {}, trace.get("model") or {}
         hw = html.escape(str(m.get("hardware") or m.get("device", "?")))
         produced, forwards = plural(s.get("new_tokens", 0), "token"), plural(s.get("target_forwards", 0), "target forward")
-        line = (f"**{produced} in {forwards}: "
-                f"τ = {s.get('tau', 0):.2f}** tokens per forward (AR: 1.00)")
+        line = f"**{produced} in {forwards}: τ = {s.get('tau', 0):.2f}** tokens per forward (AR: 1.00)"
         if b.get("tokens_per_s"):
             line += (f" · speculative {s.get('tokens_per_s', 0):.1f} tokens/s vs AR {b['tokens_per_s']:.1f} tokens/s"
                      f" → **{s.get('speedup') or 0:.2f}×**")
