@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 for key, value in (("GRADIO_ANALYTICS_ENABLED", "False"), ("HF_HUB_OFFLINE", "1"), ("HF_HUB_DISABLE_TELEMETRY", "1")):
     os.environ.setdefault(key, value)
@@ -47,7 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Load the model, then serve the page; a model that cannot load ends with one line and status 2."""
     args = parse_args(argv)
     import torch
 
@@ -55,8 +57,14 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-
-    runtime = runner.load_runtime(args.model, args.drafters, args.device, args.dtype, args.backend)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda was asked for, but no CUDA GPU is available", file=sys.stderr)
+        return 2
+    try:
+        runtime = runner.load_runtime(args.model, args.drafters, args.device, args.dtype, args.backend)
+    except (ValueError, OSError) as err:   # ModelFormatError and DrafterFormatError are ValueErrors
+        print("error: cannot load the model: " + " ".join(str(err).split()), file=sys.stderr)
+        return 2
 
     @gpu
     def run_on_device(prompt: str, settings: dict):
@@ -66,7 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     demo.queue(default_concurrency_limit=4, max_size=args.max_queue)
     demo.launch(server_name=args.host, server_port=args.port, share=args.share, ssr_mode=False,
                 **explorer.LAUNCH_KWARGS)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

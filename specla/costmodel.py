@@ -7,8 +7,7 @@ trees to the tree-masked parallel form.
 
 On the CPU every draft goes to the tree-masked parallel form: the plain-torch walks issue
 ~20 tiny ops per node and layer, the parallel form ~25 per layer whatever the shape, so it
-wins from two nodes on (measured on the embedded 6-layer target, one layer's recurrence:
-8-node chain 0.19 ms parallel vs 0.39 ms walked; 17-node tree 0.17 ms vs 0.81 ms hybrid).
+wins from two nodes on (the measurement: `benchmarks/results/cpu/NOTES.md`).
 """
 from __future__ import annotations
 

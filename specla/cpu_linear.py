@@ -2,10 +2,9 @@
 
 The embedded pair is small enough that its matmuls, not FLOPs or Python, set the pace on the
 CPU, and PyTorch's default fp32 path (MKL sgemm) is slow for the few-row products decoding
-makes (on this machine's AMD EPYC, all 31 matmuls of one target forward, weights cold:
-1 row 5.7 ms, 8 rows 8.8 ms, 17 rows 13.5 ms). oneDNN with a pre-packed (blocked) weight
-does them in 4.4 / 5.0 / 7.5 ms, so AR decoding and verification both get faster, the
-verification of a draft most.
+makes. oneDNN with a pre-packed (blocked) weight is faster for them, so AR decoding and
+verification both get faster, the verification of a draft most (the measurement:
+`benchmarks/results/cpu/NOTES.md`).
 
 `linear(x, weight)` takes that path for fp32 CPU tensors when autograd is off (inference),
 and is `F.linear` everywhere else (training, CUDA, other dtypes, builds without oneDNN).

@@ -4,7 +4,12 @@
 `build_demo` lays them out. Sessions keep their trace in `gr.State` (JSON-able dicts), the
 model lives in the process; all model work shares one queue (`concurrency_id="model"`).
 Every handler turns an exception into a warning and a status line: bad input never breaks
-the page.
+the page, and user errors (ValueError and its subclasses) leave no traceback in the log.
+
+The run and step handlers take their settings as named parameters, so the HTTP API names
+them too (`/run` takes `prompt, drafter, oracle_alpha, tree, ...`). Their listeners skip
+Gradio's preprocessing: the values arrive as sent and `runner.normalize_settings` checks
+them, so a wrong type gets the same clear message in the page and over the API.
 """
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ import functools
 import html
 import json
 import logging
+import math
+import os
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -20,7 +27,8 @@ import gradio as gr
 
 from specla import figures as F
 from specla import runner
-from specla.trace import TraceError, load_trace
+from specla.figures import plural
+from specla.trace import MAX_TRACE_BYTES, load_trace
 from specla.tree import MAX_TREE_NODES
 
 log = logging.getLogger("specla.explorer")
@@ -33,11 +41,41 @@ CONTROLS = ("drafter", "oracle_alpha", "tree", "paths", "top_k", "block_size", "
 CONTROL_DEFAULTS = {"drafter": None, "oracle_alpha": 0.8, "tree": "chain", "paths": "", "top_k": 4,
                     "block_size": 8, "depth": 6, "budget": 8, "prune_tau": 0.0, "mode": "auto", "deferred": True,
                     "temperature": 0.0, "top_p": 1.0, "max_new_tokens": 64, "seed": 0}
+CONTROL_LABELS = {"oracle_alpha": "oracle α", "top_k": "top-k", "block_size": "block size", "depth": "depth",
+                  "budget": "node budget", "prune_tau": "pruning τ", "temperature": "temperature",
+                  "top_p": "top-p", "max_new_tokens": "max new tokens", "seed": "seed"}
+# the numeric controls' ranges on the page; None: set by the runtime or the drafter
+CONTROL_RANGES: dict[str, tuple[float, float | None]] = {
+    "oracle_alpha": (0, 1), "top_k": (1, None), "block_size": (2, None), "depth": (1, 32),
+    "budget": (1, MAX_TREE_NODES - 1), "prune_tau": (0, 10), "temperature": (0, 2), "top_p": (0.05, 1),
+    "max_new_tokens": (1, None), "seed": (0, 2**31 - 1)}
 N_VIEWS = 11   # status, text, step, slider, tree, lattice, commit, speedup, summary, trace, cursor
+N_REPLAY = N_VIEWS + 1 + len(CONTROLS) + 1   # the views, the prompt, every control, the preset note
+SKIP_VIEWS = (gr.skip(),) * N_VIEWS
 CSS = """
 #status {min-height: 1.6em}
 .specla-note {color: #92400e; background: #fffbeb; border-radius: 6px; padding: 4px 8px}
+#step-info {max-height: 430px; overflow-y: auto}
 """
+# Gradio's client refuses a file over max_file_size before sending it, with a toast that
+# vanishes; this puts the refusal in the status line too, where the page reports results.
+UPLOAD_GUARD_JS = """
+<script>
+document.addEventListener("change", (event) => {
+  const input = event.target;
+  if (!(input instanceof HTMLInputElement) || input.type !== "file") return;
+  if (!input.parentElement || !input.parentElement.querySelector("#upload")) return;
+  const limit = %d;
+  const big = Array.from(input.files || []).find((f) => f.size > limit);
+  if (!big) return;
+  const status = document.querySelector("#status span.md");
+  if (status) {
+    status.innerHTML = "<p><strong>Error:</strong> the file " + big.name.replace(/[<>&]/g, "") + " is " +
+      (big.size / 1048576).toFixed(1) + " MiB; the limit is %d MiB. Nothing was uploaded.</p>";
+  }
+}, true);
+</script>
+""" % (MAX_TRACE_BYTES, MAX_TRACE_BYTES // 2**20)
 INTRO = """# SpecLA Explorer
 Exact speculative decoding for Gated DeltaNet, one step at a time. A **drafter** proposes a
 chain or tree of tokens; the **target** verifies the whole tree in one forward pass from its
@@ -79,41 +117,127 @@ def control_values(runtime: runner.Runtime, **overrides) -> list:
     return [values[name] for name in CONTROLS]
 
 
+def is_user_error(err: Exception) -> bool:
+    """Bad input (a ValueError: settings, prompts, trees, traces, checkpoints), not a bug."""
+    return isinstance(err, ValueError)
+
+
 def friendly(err: Exception) -> str:
-    if isinstance(err, (ValueError, TraceError)):
+    """The message for the page; only errors that are not the user's are logged with a traceback."""
+    if is_user_error(err):
         return str(err)
     log.error("event failed:\n%s", traceback.format_exc())
     return f"internal error ({type(err).__name__}: {err}); the page still works: try other settings or Reset"
 
 
-def guarded(fn: Callable) -> Callable:
-    """Catch every exception of an event generator: a warning and a status line instead."""
-    @functools.wraps(fn)
-    def wrapper(*args):
+def guarded(n_outputs: int = N_VIEWS) -> Callable:
+    """Catch every exception of an event generator: a warning and a status line instead.
+
+    The status is the first of the generator's `n_outputs` outputs; the others are left as
+    they are. The wrapper keeps the wrapped function's signature (Gradio reads the API
+    parameter names from it).
+    """
+    def decorate(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            try:
+                yield from fn(*args, **kwargs)
+            except Exception as err:  # noqa: BLE001 - the page must survive any input
+                msg = friendly(err)
+                gr.Warning(html.escape(msg))
+                yield (f"**Error:** {msg}",) + (gr.skip(),) * (n_outputs - 1)
+        return wrapper
+    return decorate
+
+
+def quiet(n_outputs: int = 1) -> Callable:
+    """For the small helper events: a failure leaves their `n_outputs` outputs unchanged, with a warning."""
+    def decorate(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except Exception as err:  # noqa: BLE001 - a helper must never break the page
+                gr.Warning(html.escape(friendly(err)))
+                return gr.skip() if n_outputs == 1 else (gr.skip(),) * n_outputs
+        return wrapper
+    return decorate
+
+
+def snapshot(trace: dict) -> dict:
+    """A copy of a streamed trace whose step list no later step can grow.
+
+    The kept trace must stay consistent with its own summary whatever the producer does
+    with its list after yielding it (the view of a run at Stop is this snapshot).
+    """
+    return dict(trace, steps=list(trace["steps"]))
+
+
+def discard_upload(path: str | os.PathLike) -> None:
+    """Delete an uploaded file once read, when it is Gradio's copy of an upload.
+
+    Gradio copies each upload into <its upload folder>/<hash>/<name>; that copy is ours to
+    drop, with its folder when empty. Anything else (a file elsewhere, an exported trace)
+    stays.
+    """
+    from gradio.utils import get_upload_folder
+
+    try:
+        file = Path(path).resolve()
+        root = Path(get_upload_folder()).resolve()
+        if file.parent.parent != root or file.parent == runner.export_folder(root).resolve():
+            return
+        file.unlink(missing_ok=True)
+        if not any(file.parent.iterdir()):
+            file.parent.rmdir()
+    except OSError as err:   # already gone, or not ours to delete: nothing to clean
+        log.info("upload %s not removed: %s", path, err)
+
+
+class Page(gr.Blocks):
+    """gr.Blocks that answers a malformed request with a message instead of a traceback.
+
+    Gradio checks some inputs itself before any handler runs: a call with too few values,
+    or a value that is not a file where a file is expected. Those are the caller's errors
+    (ValueErrors, pydantic's included); they go back as a gr.Error naming the problem and
+    leave the server log clean.
+    """
+
+    async def preprocess_data(self, block_fn, inputs, state, explicit_call=False):
         try:
-            yield from fn(*args)
-        except Exception as err:  # noqa: BLE001 - the page must survive any input
-            msg = friendly(err)
-            gr.Warning(html.escape(msg))
-            yield (f"**Error:** {msg}",) + (gr.skip(),) * (N_VIEWS - 1)
-    return wrapper
+            return await super().preprocess_data(block_fn, inputs, state, explicit_call)
+        except gr.Error:
+            raise
+        except ValueError as err:
+            if "FileData" in str(err):
+                message = "this parameter takes a file, uploaded with it (gradio_client: handle_file(path))"
+            else:
+                lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+                message = lines[0] if lines else type(err).__name__
+            raise gr.Error(f"Bad request: {message[:300]}", print_exception=False) from None
 
 
 class Explorer:
-    """The event functions. `run_fn(prompt, settings)` yields traces (runner.run by default;
-    app.py passes a GPU-decorated wrapper)."""
+    """The event functions. `run_fn(prompt, settings)` yields traces, or None after a step
+    with nothing new to show (runner.run by default; app.py passes a GPU-decorated wrapper)."""
 
-    def __init__(self, runtime: runner.Runtime, run_fn: Callable[[str, dict], Iterator[dict]] | None = None):
+    def __init__(self, runtime: runner.Runtime,
+                 run_fn: Callable[[str, dict], Iterator[dict | None]] | None = None):
         self.runtime = runtime
         self.run_fn = run_fn or (lambda prompt, settings: runner.run(runtime, prompt, settings))
         self.hardware = runner.hardware_name(runtime.device)
+        self.first_drafter = next(iter(runtime.drafters))
 
     # -- helpers ---------------------------------------------------------------------
-    def settings(self, *values) -> dict:
-        s = dict(zip(CONTROLS, values))
-        if s.get("prune_tau") in (0, 0.0):
-            s["prune_tau"] = None
-        return s
+    def control_range(self, name: str, drafter: str | None = None) -> tuple[float, float]:
+        """The page's range of a numeric control (top-k and block size depend on the drafter)."""
+        lo, hi = CONTROL_RANGES[name]
+        if hi is None:
+            if name == "max_new_tokens":
+                hi = 1024 if self.runtime.device.type == "cuda" else 512
+            else:
+                hi = runner.drafter_limits(self.runtime, drafter or self.first_drafter)[name]
+        return lo, hi
 
     def views(self, trace: dict | None, step: int | None, cursor: int | None, status: str,
               full: dict | None = None) -> tuple:
@@ -123,6 +247,7 @@ class Explorer:
             step = max(0, min(int(step), n - 1)) if n else None
         slider = gr.Slider(minimum=0, maximum=max(1, n - 1), value=step or 0, step=1, interactive=n > 1,
                            label=f"Step (0 to {max(0, n - 1)}): moves every step view" if n else "Step")
+
         def draw(build, title):
             """One view; a trace this view cannot read leaves the others intact."""
             try:
@@ -132,7 +257,7 @@ class Explorer:
                 message = f"This view cannot be drawn from this trace ({type(err).__name__}: {err})."
                 if title is None:
                     return f'<div style="color:#b91c1c">{html.escape(message)}</div>'
-                return F.empty_figure(title, html.escape(F.visible(message, 200)))
+                return F.empty_figure(title, F.escape(F.visible(message, 200)))
 
         return (status, draw(F.token_html, None), draw(F.step_html, None), slider,
                 draw(F.tree_figure, "Draft tree"), draw(F.lattice_figure, "LiLiCorr lattice"),
@@ -140,15 +265,20 @@ class Explorer:
                 draw(lambda t, _: self.summary_md(t), None), full if full is not None else trace, cursor)
 
     def summary_md(self, trace: dict | None) -> str:
+        """The run in one line: tokens, forwards, τ, the measured speedup (and its spread), phase times."""
         if not trace or not trace.get("steps"):
             return ""
         s, b, m = trace.get("summary") or {}, trace.get("baseline") or {}, trace.get("model") or {}
         hw = html.escape(str(m.get("hardware") or m.get("device", "?")))
-        line = (f"**{s.get('new_tokens', 0)} tokens in {s.get('target_forwards', 0)} target forwards: "
-                f"τ = {s.get('tau', 0):.2f}** tokens per forward (AR: 1.00)")
+        produced, forwards = plural(s.get("new_tokens", 0), "token"), plural(s.get("target_forwards", 0), "target forward")
+        line = f"**{produced} in {forwards}: τ = {s.get('tau', 0):.2f}** tokens per forward (AR: 1.00)"
         if b.get("tokens_per_s"):
             line += (f" · speculative {s.get('tokens_per_s', 0):.1f} tokens/s vs AR {b['tokens_per_s']:.1f} tokens/s"
-                     f" → **{s.get('speedup') or 0:.2f}×**, measured in this run on {hw}")
+                     f" → **{s.get('speedup') or 0:.2f}×**")
+            spread = F.speedup_spread(s)
+            if spread:
+                line += f" (alternating runs: {spread[0]:.2f}× to {spread[1]:.2f}×)"
+            line += f", measured in this run on {hw}"
         times = s.get("time_ms") or {}
         line += " · time: " + ", ".join(f"{k} {v:.1f} ms" for k, v in times.items())
         if m.get("device") == "cpu":
@@ -159,35 +289,58 @@ class Explorer:
     def _status(self, trace: dict, settings: dict, done: bool) -> str:
         s = trace.get("summary") or {}
         n = s.get("new_tokens", 0)
-        label = self.runtime.labels.get(settings.get("drafter"), settings.get("drafter"))
         if done:
-            return (f"**Done**: {n} tokens in {len(trace['steps'])} steps with the {label} drafter "
-                    f"(τ = {s.get('tau', 0):.2f}).")
+            label = self.runtime.labels.get(settings.get("drafter"), settings.get("drafter"))
+            return (f"**Done**: {plural(n, 'token')} in {plural(len(trace['steps']), 'step')} with the {label} "
+                    f"drafter (τ = {s.get('tau', 0):.2f}).")
         return f"**Running**: step {len(trace['steps'])}, {n}/{settings.get('max_new_tokens')} tokens…"
 
+    def _settings(self, **controls) -> dict:
+        """The settings dict runner.run takes, checked (a ValueError names a bad value)."""
+        return runner.normalize_settings(self.runtime, controls)
+
     # -- events ----------------------------------------------------------------------
-    @guarded
-    def on_run(self, prompt: str, *controls) -> Iterator[tuple]:
-        settings = self.settings(*controls)
-        runner.normalize_settings(self.runtime, settings)          # fail fast, before the queue work
-        yield (f"Measuring the AR baseline on {self.hardware}, then decoding…",) + (gr.skip(),) * (N_VIEWS - 1)
+    @guarded()
+    def on_run(self, prompt: str, drafter: str | None = None, oracle_alpha: float = 0.8, tree: str = "chain",
+               paths: str | None = None, top_k: int = 4, block_size: int = 8, depth: int = 6, budget: int = 8,
+               prune_tau: float = 0.0, mode: str = "auto", deferred: bool = True, temperature: float = 0.0,
+               top_p: float = 1.0, max_new_tokens: int = 64, seed: int = 0) -> Iterator[tuple]:
+        """Decode `prompt` with these settings; stream the views; the last output is complete."""
+        settings = self._settings(drafter=drafter, oracle_alpha=oracle_alpha, tree=tree, paths=paths,
+                                  top_k=top_k, block_size=block_size, depth=depth, budget=budget,
+                                  prune_tau=prune_tau, mode=mode, deferred=deferred, temperature=temperature,
+                                  top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
+        runner.encode_prompt(self.runtime, runner.clean_prompt(prompt))   # fail fast, before the model work
+        # the kept trace is cleared here, so a Stop before the first step keeps nothing stale
+        yield ((f"Measuring the AR baseline on {self.hardware}, then decoding…",) + (gr.skip(),) * (N_VIEWS - 3)
+               + (None, None))
         trace = None
         for update in self.run_fn(prompt, settings):
-            if update is None:          # a step with nothing new to draw: Stop may cancel here
-                yield (gr.skip(),) * N_VIEWS
-            elif isinstance(update, str):
-                yield (update,) + (gr.skip(),) * (N_VIEWS - 1)
-            else:
-                trace = update
-                yield self.views(trace, len(trace["steps"]) - 1, None, self._status(trace, settings, False))
+            if update is None:     # a step with nothing new to show: yielding lets Stop cancel here
+                yield SKIP_VIEWS
+                continue
+            if isinstance(update, str):     # a status line: measuring, capturing graphs
+                yield (update,) + SKIP_VIEWS[1:]
+                continue
+            trace = snapshot(update)
+            yield self.views(trace, len(trace["steps"]) - 1, None, self._status(trace, settings, False))
         if trace is not None:   # complete again, so an API client's last output has every view
             yield self.views(trace, len(trace["steps"]) - 1, None, self._status(trace, settings, True))
 
-    @guarded
-    def on_step(self, prompt: str, trace: dict | None, cursor: int | None, *controls) -> Iterator[tuple]:
-        settings = self.settings(*controls)
-        record = runner.settings_record(runner.normalize_settings(self.runtime, settings))
-        same = bool(trace) and trace.get("prompt") == runner.clean_prompt(prompt) and trace.get("settings") == record
+    @guarded()
+    def on_step(self, prompt: str, trace: dict | None = None, cursor: int | None = None,
+                drafter: str | None = None, oracle_alpha: float = 0.8, tree: str = "chain",
+                paths: str | None = None, top_k: int = 4, block_size: int = 8, depth: int = 6, budget: int = 8,
+                prune_tau: float = 0.0, mode: str = "auto", deferred: bool = True, temperature: float = 0.0,
+                top_p: float = 1.0, max_new_tokens: int = 64, seed: int = 0) -> Iterator[tuple]:
+        """Reveal one more step of the session's run; the first click decodes the run in the background."""
+        settings = self._settings(drafter=drafter, oracle_alpha=oracle_alpha, tree=tree, paths=paths,
+                                  top_k=top_k, block_size=block_size, depth=depth, budget=budget,
+                                  prune_tau=prune_tau, mode=mode, deferred=deferred, temperature=temperature,
+                                  top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
+        record = runner.settings_record(settings)
+        same = (isinstance(trace, dict) and trace.get("prompt") == runner.clean_prompt(prompt)
+                and trace.get("settings") == record)
         cursor = cursor if isinstance(cursor, int) else 0
         if same and cursor < len(trace["steps"]):
             cursor += 1
@@ -197,16 +350,18 @@ class Explorer:
             return
         if same:
             yield self.views(trace, len(trace["steps"]) - 1, None,
-                             f"All {len(trace['steps'])} steps revealed. Press Run or change the prompt.")
+                             f"All {plural(len(trace['steps']), 'step')} revealed. Press Run or change the prompt.")
             return
-        yield ("Step mode: decoding the whole run once in the background; each click then reveals one step…",) \
-            + (gr.skip(),) * (N_VIEWS - 1)
+        runner.encode_prompt(self.runtime, runner.clean_prompt(prompt))
+        # a new run: the kept trace is cleared, so a Stop now keeps nothing of the previous one
+        yield (("Step mode: decoding the whole run once in the background; each click then reveals one step…",)
+               + (gr.skip(),) * (N_VIEWS - 3) + (None, None))
         full = None
         for update in self.run_fn(prompt, settings):
             if not isinstance(update, dict):
-                yield (gr.skip(),) * N_VIEWS
+                yield SKIP_VIEWS
                 continue
-            full = update
+            full = snapshot(update)
             n = (full.get("summary") or {}).get("new_tokens", 0)
             yield (f"Step mode: decoding in the background ({n}/{settings['max_new_tokens']} tokens)…",) \
                 + (gr.skip(),) * (N_VIEWS - 1)
@@ -216,51 +371,128 @@ class Explorer:
         yield self.views(runner.reveal(full, 1), 0, 1, f"Step 0 revealed (1 of {len(full['steps'])}); "
                          "press Step for the next one.", full=full)
 
-    @guarded
-    def on_scrub(self, step: float, trace: dict | None, cursor: int | None) -> Iterator[tuple]:
+    @guarded()
+    def on_scrub(self, step: float, trace: dict | None = None, cursor: int | None = None) -> Iterator[tuple]:
+        """Move every step view to `step` (clamped to the trace)."""
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step):
+            raise ValueError(f"step must be a number, got {step!r}")
         shown = runner.reveal(trace, cursor) if trace and isinstance(cursor, int) else trace
-        out = self.views(shown, int(step or 0), cursor, gr.skip(), full=trace)
+        out = self.views(shown, int(step), cursor, gr.skip(), full=trace)
         # the speedup figure does not depend on the step: leave it alone
         yield out[:3] + (gr.skip(),) + out[4:7] + (gr.skip(), gr.skip(), gr.skip(), gr.skip())
 
-    @guarded
+    @guarded(N_REPLAY)
     def on_upload(self, file: Any) -> Iterator[tuple]:
+        """Replay a saved trace: every view, the prompt and every setting come from the file."""
         path = getattr(file, "name", file)
         if not path:
             raise ValueError("no file received")
-        trace, note = runner.replay(load_trace(path), self.runtime)
-        yield self.views(trace, 0 if trace["steps"] else None, None, html.escape(note))
+        try:
+            trace, note = runner.replay(load_trace(path), self.runtime)
+        finally:
+            discard_upload(path)
+        controls, changed = self.restore_controls(trace.get("settings"))
+        restored = ("The prompt and every setting are restored from the trace"
+                    + (f", except: {'; '.join(changed)}" if changed else "")
+                    + ": Run decodes it again with the loaded model.")
+        paths = trace.get("settings", {}).get("paths")
+        preset_note = f"Preset: {plural(len(paths), 'node')}." if isinstance(paths, list) and paths else ""
+        prompt = trace.get("prompt") if isinstance(trace.get("prompt"), str) else gr.skip()
+        yield (self.views(trace, 0 if trace["steps"] else None, None,
+                          F.escape(note) + " " + F.escape(restored))
+               + (prompt, *controls, preset_note))
+
+    def restore_controls(self, settings: Any) -> tuple[list, list[str]]:
+        """Updates that set every settings control to a trace's values, in CONTROLS order, and
+        the values that had to change to fit this page (unknown drafter, out of range)."""
+        s = settings if isinstance(settings, dict) else {}
+        changed: list[str] = []
+        drafter = s.get("drafter")
+        if not (isinstance(drafter, str) and drafter in self.runtime.drafters):
+            changed.append(f"its drafter {F.visible(str(drafter), 24)!r} is not loaded here, so the drafter is "
+                           f"{self.runtime.labels[self.first_drafter]}")
+            drafter = self.first_drafter
+        values: dict[str, Any] = {"drafter": drafter}
+        for name, (default, label) in {k: (CONTROL_DEFAULTS[k], v) for k, v in CONTROL_LABELS.items()}.items():
+            value = s.get(name, default)
+            if name == "prune_tau" and value is None:
+                value = 0.0
+            lo, hi = self.control_range(name, drafter)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                changed.append(f"{label} {F.visible(str(value), 24)!r} is not a number, so it is {default}")
+                value = default
+            elif not lo <= value <= hi:
+                clamped = min(max(value, lo), hi)
+                changed.append(f"{label} {value} is outside this page's range ({lo} to {hi}), so it is {clamped}")
+                value = clamped
+            values[name] = value
+        for name, choices in (("tree", runner.TREE_SHAPES), ("mode", runner.MODES)):
+            value = s.get(name, CONTROL_DEFAULTS[name])
+            if value not in choices:
+                changed.append(f"{name} {F.visible(str(value), 24)!r} is unknown, so it is {CONTROL_DEFAULTS[name]}")
+                value = CONTROL_DEFAULTS[name]
+            values[name] = value
+        deferred = s.get("deferred", True)
+        values["deferred"] = deferred if isinstance(deferred, bool) else True
+        paths = s.get("paths")
+        values["paths"] = json.dumps(paths) if isinstance(paths, list) and paths else ""
+        is_chain = values["tree"] == "chain" if not values["paths"] else all(
+            isinstance(p, list) and all(i == 0 for i in p) for p in paths)
+        modes = list(runner.MODES) if is_chain else [m for m in runner.MODES if m != "chain"]
+        if values["mode"] not in modes:
+            values["mode"] = "auto"
+        lim = runner.drafter_limits(self.runtime, drafter)
+        updates = {
+            **values,
+            "oracle_alpha": gr.Slider(value=values["oracle_alpha"], visible=drafter == runner.ORACLE),
+            "top_k": gr.Slider(maximum=lim["top_k"], value=values["top_k"]),
+            "block_size": gr.Slider(maximum=lim["block_size"], value=values["block_size"]),
+            "mode": gr.Radio(choices=modes, value=values["mode"]),
+        }
+        return [updates[name] for name in CONTROLS], changed
 
     def on_stop(self, trace: dict | None, cursor: int | None) -> tuple:
         """After a cancel: redraw every view from the kept trace (streamed updates may lag)."""
-        n = len((trace or {}).get("steps") or [])
         shown = runner.reveal(trace, cursor) if trace and isinstance(cursor, int) else trace
-        step = len(shown["steps"]) - 1 if shown and shown.get("steps") else None
-        return self.views(shown, step, cursor, f"**Stopped** after {n} steps; the partial trace stays in the "
-                          "views and can be downloaded.", full=trace)
+        steps = (shown or {}).get("steps") or []
+        if not steps:
+            return self.views(None, None, None, "**Stopped** before the first step: nothing was decoded.",
+                              full=trace)
+        n_tokens = len((shown.get("output") or {}).get("tokens") or [])
+        return self.views(shown, len(steps) - 1, cursor,
+                          f"**Stopped** after {plural(len(steps), 'step')} ({plural(n_tokens, 'token')}); the "
+                          "partial trace stays in the views and can be exported.", full=trace)
 
     def on_reset(self) -> tuple:
         return self.views(None, None, None, "Ready.") + (gr.DownloadButton(visible=False),)
 
-    def on_export(self, trace: dict | None):
+    def on_export(self, trace: dict | None = None) -> tuple[str | None, str]:
+        """Write the session's trace to a file: (its path, a status line); (None, the reason) if not."""
         try:
             if not trace:
                 raise ValueError("nothing to export yet: run a prompt or upload a trace first")
             path = runner.export_trace(trace)
-            return gr.DownloadButton(value=str(path), visible=True, label=f"Download {path.name}"), \
-                f"Trace ready: {path.name} ({path.stat().st_size / 1024:.0f} KiB). Click the download button."
+            return str(path), (f"Trace ready: {path.name} ({path.stat().st_size / 1024:.0f} KiB). "
+                               "Click the download button.")
         except Exception as err:  # noqa: BLE001
             msg = friendly(err)
             gr.Warning(html.escape(msg))
-            return gr.DownloadButton(visible=False), f"**Error:** {msg}"
+            return None, f"**Error:** {msg}"
 
+    @staticmethod
+    def show_download(path: Any) -> Any:
+        """The download button, visible when an export produced a file."""
+        return gr.DownloadButton(visible=bool(path))
+
+    @quiet(2)
     def on_shape(self, tree: str, paths: str, mode: str):
         """Keep the verification mode consistent with the tree shape; validate the preset."""
         try:
             parsed = runner.parse_paths(paths)
-            note = "" if parsed is None else f"Preset: {len(parsed)} nodes, depth {max(len(p) for p in parsed)}."
+            note = "" if parsed is None else (f"Preset: {plural(len(parsed), 'node')}, "
+                                              f"depth {max(len(p) for p in parsed)}.")
         except ValueError as err:
-            parsed, note = None, f"**Error:** {err}"
+            parsed, note = None, f"**Error:** {html.escape(str(err))}"
         is_chain = (tree == "chain") if parsed is None else all(p == [0] * len(p) for p in parsed)
         choices = list(runner.MODES) if is_chain else [m for m in runner.MODES if m != "chain"]
         if mode not in choices:
@@ -268,12 +500,15 @@ class Explorer:
             note += " Chain verification needs a chain: switched to auto."
         return gr.Radio(choices=choices, value=mode), note.strip()
 
+    @quiet()
     def on_depth(self, depth: float, budget: float):
         return gr.Slider(value=max(int(budget), int(depth)))
 
+    @quiet()
     def on_budget(self, budget: float, depth: float):
         return gr.Slider(value=min(int(depth), int(budget)))
 
+    @quiet(3)
     def on_drafter(self, drafter: str, block_size: float, top_k: float):
         """Show α for the oracle; cap block size and top-k at what the drafter was trained for."""
         lim = runner.drafter_limits(self.runtime, drafter)
@@ -285,12 +520,16 @@ class Explorer:
 def build_demo(runtime: runner.Runtime, run_fn: Callable | None = None, model_limit: int = 1) -> gr.Blocks:
     ex = Explorer(runtime, run_fn)
     examples, example_labels = load_examples()
-    first = next(iter(runtime.drafters))
-    lim = runner.drafter_limits(runtime, first)
+    first = ex.first_drafter
     D = CONTROL_DEFAULTS
+
+    def rng(name):
+        return ex.control_range(name, first)
+
     model_line = (f"**Model:** {html.escape(runtime.model_name)} · {ex.hardware} · drafters: "
                   + ", ".join(runtime.labels[n] for n in runtime.drafters))
-    with gr.Blocks(title="SpecLA Explorer") as demo:
+    # uploads and cached outputs older than an hour are deleted every 10 minutes
+    with Page(title="SpecLA Explorer", delete_cache=(600, 3600)) as demo:
         gr.Markdown(INTRO)
         gr.Markdown(model_line)
         if runtime.note:
@@ -310,22 +549,24 @@ def build_demo(runtime: runner.Runtime, run_fn: Callable | None = None, model_li
                     reset_btn = gr.Button("Reset", elem_id="reset")
                 gr.Markdown("*Run* streams the whole decode. *Step* decodes the whole run once in the "
                             "background on its first click, then reveals one more step per click. "
-                            "*Stop* cancels a run and keeps what it has so far.")
+                            "*Stop* cancels a run after the step in progress and keeps what it has so far.")
             with gr.Column(scale=3, min_width=420):
-                status = gr.Markdown("Ready.", elem_id="status")
-                text = gr.HTML(F.token_html(None), elem_id="text")
-                summary = gr.Markdown("", elem_id="summary")
+                status = gr.Markdown("Ready.", label="run status", elem_id="status")
+                text = gr.HTML(F.token_html(None), label="output text", elem_id="text")
+                summary = gr.Markdown("", label="run summary", elem_id="summary")
                 with gr.Row():
                     export_btn = gr.Button("Export trace (JSON)", elem_id="export")
                     download = gr.DownloadButton("Download trace", visible=False, elem_id="download")
-                    upload = gr.UploadButton("Upload a trace to replay", file_types=[".json"], elem_id="upload")
+                    upload = gr.UploadButton(f"Upload a trace to replay (≤ {MAX_TRACE_BYTES // 2**20} MiB)",
+                                             file_types=[".json"], elem_id="upload")
         with gr.Accordion("Decoding settings", open=True):
             with gr.Row():
                 drafter = gr.Dropdown([(runtime.labels[n], n) for n in runtime.drafters], value=first,
+                                      elem_id="drafter",
                                       label="Drafter", info="oracle: knows the target's answer, right with "
                                       "probability α; measures the engine, not a real drafter")
-                oracle_alpha = gr.Slider(0, 1, value=D["oracle_alpha"], step=0.05, label="Oracle acceptance α",
-                                         visible=first == runner.ORACLE)
+                oracle_alpha = gr.Slider(*rng("oracle_alpha"), value=D["oracle_alpha"], step=0.05,
+                                         label="Oracle acceptance α", visible=first == runner.ORACLE)
                 tree = gr.Radio(list(runner.TREE_SHAPES), value=D["tree"], label="Tree shape")
                 mode = gr.Radio(list(runner.MODES), value=D["mode"], label="Verification",
                                 info="auto picks per step from the tree's shape")
@@ -334,44 +575,50 @@ def build_demo(runtime: runner.Runtime, run_fn: Callable | None = None, model_li
                                        placeholder="index paths, e.g. [[0], [0, 0], [1], [0, 1]]")
                     preset_note = gr.Markdown("")
             with gr.Row():
-                top_k = gr.Slider(1, lim["top_k"], value=min(D["top_k"], lim["top_k"]), step=1,
+                top_k = gr.Slider(*rng("top_k"), value=min(D["top_k"], rng("top_k")[1]), step=1,
                                   label="Top-k (children per node)")
-                budget = gr.Slider(1, MAX_TREE_NODES - 1, value=D["budget"], step=1, label="Node budget")
-                block_size = gr.Slider(2, lim["block_size"], value=min(D["block_size"], lim["block_size"]), step=1,
-                                       label="Block size", info="block / LiLiCorr drafters")
-                depth = gr.Slider(1, 32, value=D["depth"], step=1, label="Depth", info="EAGLE drafter; kept ≤ budget")
-                prune_tau = gr.Slider(0, 10, value=D["prune_tau"], step=0.5, label="Pruning τ (0 = off)",
+                budget = gr.Slider(*rng("budget"), value=D["budget"], step=1, label="Node budget")
+                block_size = gr.Slider(*rng("block_size"), value=min(D["block_size"], rng("block_size")[1]),
+                                       step=1, label="Block size", info="block / LiLiCorr drafters")
+                depth = gr.Slider(*rng("depth"), value=D["depth"], step=1, label="Depth",
+                                  info="EAGLE drafter; kept ≤ budget")
+                prune_tau = gr.Slider(*rng("prune_tau"), value=D["prune_tau"], step=0.5, label="Pruning τ (0 = off)",
                                       info="keep nodes within τ nats of the best path")
             with gr.Row():
-                temperature = gr.Slider(0, 2, value=D["temperature"], step=0.05, label="Temperature (0 = greedy)")
-                top_p = gr.Slider(0.05, 1, value=D["top_p"], step=0.05, label="Top-p")
-                max_new = gr.Slider(1, 1024 if runtime.device.type == "cuda" else 512, value=D["max_new_tokens"],
-                                    step=1,
+                temperature = gr.Slider(*rng("temperature"), value=D["temperature"], step=0.05,
+                                        label="Temperature (0 = greedy)")
+                top_p = gr.Slider(*rng("top_p"), value=D["top_p"], step=0.05, label="Top-p")
+                max_new = gr.Slider(*rng("max_new_tokens"), value=D["max_new_tokens"], step=1,
                                     label="Max new tokens", elem_id="max-new")
-                seed = gr.Number(value=D["seed"], precision=0, minimum=0, maximum=2**31 - 1, label="Seed")
+                seed = gr.Number(value=D["seed"], precision=0, minimum=rng("seed")[0], maximum=rng("seed")[1],
+                                 label="Seed")
                 deferred = gr.Checkbox(value=D["deferred"], label="Deferred commit",
                                        info="fold accepted factors into the next verification")
-        slider = gr.Slider(0, 1, value=0, step=1, label="Step", interactive=False, elem_id="scrubber")
-        step_info = gr.HTML(F.step_html(None, None), elem_id="step-info")
-        with gr.Row():
-            with gr.Column():
+        # one screen on a 1280x720 projector: the scrubber and the step in words beside the tree
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=2, min_width=320):
+                slider = gr.Slider(0, 1, value=0, step=1, label="Step", interactive=False, elem_id="scrubber")
+                step_info = gr.HTML(F.step_html(None, None), label="step in words", elem_id="step-info")
+            with gr.Column(scale=3, min_width=420):
                 gr.Markdown("**Draft tree**: left to right = depth; ■ root (the last bonus), ● drafted node "
-                            "coloured by draft probability (fixed 0 to 1 scale), blue line = accepted path, "
-                            "★ = +1 bonus token, grey × = pruned before verification. Hover for the target's view.")
-                tree_plot = gr.Plot(F.tree_figure(None, None), show_label=False, elem_id="tree-plot")
-            with gr.Column():
-                gr.Markdown("**LiLiCorr lattice**: slots × top-k candidates of the block drafter, shaded by "
-                            "log-probability; orange = the path LiLiCorr chose, dashed = top-1 path, red ring = "
-                            "the target's token; numbers = pair scores along the chosen path.")
-                lattice_plot = gr.Plot(F.lattice_figure(None, None), show_label=False, elem_id="lattice-plot")
+                            "coloured by draft probability, blue line = accepted path, ★ = +1 bonus token, "
+                            "grey × = pruned before verification. Hover a node for the target's view.")
+                tree_plot = gr.Plot(F.tree_figure(None, None), label="draft tree", show_label=False,
+                                    elem_id="tree-plot")
+        gr.Markdown("**LiLiCorr lattice**: slots × top-k candidates of the block drafter, shaded by "
+                    "log-probability; orange frames = the path LiLiCorr chose, red frames = the target's "
+                    "token, dashed line over rank 0 = the top-1 path; numbers above = pair scores along the "
+                    "chosen path.")
+        lattice_plot = gr.Plot(F.lattice_figure(None, None), label="LiLiCorr lattice", show_label=False,
+                               elem_id="lattice-plot")
         gr.Markdown("**State commits**: how many tokens each step folded into the recurrent state (and kept "
                     "pending when deferred), bytes of factors against dense per-node state snapshots, commit "
                     "time and verification mode. Rejected tokens write nothing into the state.")
-        commit_plot = gr.Plot(F.commit_figure(None), show_label=False, elem_id="commit-plot")
+        commit_plot = gr.Plot(F.commit_figure(None), label="state commits", show_label=False, elem_id="commit-plot")
         gr.Markdown("**Speedup**: tokens/s against the AR baseline measured on the same prompt and hardware in "
                     "this run (dashed), τ per step with the predicted E[τ] for the measured per-token "
                     "acceptance α, accepted lengths, and where each step's time went.")
-        speedup_plot = gr.Plot(F.speedup_figure(None), show_label=False, elem_id="speedup-plot")
+        speedup_plot = gr.Plot(F.speedup_figure(None), label="speedup", show_label=False, elem_id="speedup-plot")
 
         controls = [drafter, oracle_alpha, tree, paths, top_k, block_size, depth, budget, prune_tau, mode,
                     deferred, temperature, top_p, max_new, seed]
@@ -379,21 +626,23 @@ def build_demo(runtime: runner.Runtime, run_fn: Callable | None = None, model_li
                  trace_state, cursor_state]
         model_queue = dict(concurrency_limit=model_limit, concurrency_id="model", show_progress_on=[status])
         helper = dict(api_visibility="undocumented")
+        raw = dict(preprocess=False)   # values as sent: runner.normalize_settings checks them with clear messages
 
         def waiting():
             return "Waiting for the model (queued behind other runs)…", gr.DownloadButton(visible=False)
 
         run_ev = run_btn.click(waiting, None, [status, download], queue=False, **helper).then(
-            ex.on_run, [prompt, *controls], views, api_name="run", **model_queue)
+            ex.on_run, [prompt, *controls], views, api_name="run", **model_queue, **raw)
         step_ev = step_btn.click(ex.on_step, [prompt, trace_state, cursor_state, *controls], views,
-                                 api_name="step", **model_queue)
+                                 api_name="step", **model_queue, **raw)
         stop_btn.click(None, None, None, cancels=[run_ev, step_ev], queue=False, **helper).then(
             ex.on_stop, [trace_state, cursor_state], views, **helper)
         reset_btn.click(ex.on_reset, None, views + [download], cancels=[run_ev, step_ev], **helper)
         slider.input(ex.on_scrub, [slider, trace_state, cursor_state], views, trigger_mode="always_last",
-                     show_progress="hidden", api_name="scrub")
-        export_btn.click(ex.on_export, [trace_state], [download, status], api_name="export")
-        upload.upload(ex.on_upload, [upload], views, api_name="replay")
+                     show_progress="hidden", api_name="scrub", **raw)
+        export_btn.click(ex.on_export, [trace_state], [download, status], api_name="export").then(
+            ex.show_download, [download], [download], **helper)
+        upload.upload(ex.on_upload, [upload], views + [prompt, *controls, preset_note], api_name="replay")
         for event in (tree.input, paths.blur, paths.submit):
             event(ex.on_shape, [tree, paths, mode], [mode, preset_note], show_progress="hidden", **helper)
         depth.release(ex.on_depth, [depth, budget], [budget], show_progress="hidden", **helper)
@@ -404,4 +653,5 @@ def build_demo(runtime: runner.Runtime, run_fn: Callable | None = None, model_li
     return demo
 
 
-LAUNCH_KWARGS = dict(css=CSS, theme=gr.themes.Soft(), max_file_size="64mb")
+# one upload limit: Gradio refuses a bigger file before sending it, and load_trace refuses it too
+LAUNCH_KWARGS = dict(css=CSS, theme=gr.themes.Soft(), max_file_size=MAX_TRACE_BYTES, head=UPLOAD_GUARD_JS)

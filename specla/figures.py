@@ -84,9 +84,31 @@ def visible(text: str, limit: int | None = None, spaces: bool = False) -> str:
     return s
 
 
+def escape(text: str) -> str:
+    """Text for HTML content and for plotly labels, escaped exactly once.
+
+    Only &, < and > are escaped: plotly's SVG text reads those three entities back but
+    shows `&quot;` literally, and quotes need no escaping outside attributes.
+    """
+    return html.escape(text, quote=False)
+
+
+def plural(n: int, word: str, words: str | None = None) -> str:
+    """"1 token", "2 tokens" ("1 step", "0 steps")."""
+    return f"{n} {word if n == 1 else (words or word + 's')}"
+
+
+def speedup_spread(summary: dict) -> tuple[float, float] | None:
+    """The [min, max] speedup of the alternating measurements, when the summary has it."""
+    spread = summary.get("speedup_spread")
+    if isinstance(spread, (list, tuple)) and len(spread) == 2 and all(_num(v) is not None for v in spread):
+        return float(spread[0]), float(spread[1])
+    return None
+
+
 def _text_html(text: str) -> str:
     """Escaped token text for the running text: markers for \\n and \\t, then the real break."""
-    shown = html.escape(visible(text))
+    shown = escape(visible(text))
     shown = shown.replace("↵", '<span style="color:#9ca3af">↵</span><br>')
     return shown.replace("→", '<span style="color:#9ca3af">→</span>\t')
 
@@ -96,13 +118,13 @@ def token_of(trace: dict, token: int) -> str:
 
 
 def label(trace: dict, token: int, limit: int = 8) -> str:
-    """A token for plotly text (which reads HTML tags): visible, spaces shown, escaped."""
-    return html.escape(visible(token_of(trace, token), limit, spaces=True))
+    """A token for plotly text (which reads HTML tags): visible, spaces shown, escaped once."""
+    return escape(visible(token_of(trace, token), limit, spaces=True))
 
 
 def quoted(trace: dict, token: int, limit: int = 24) -> str:
-    """A token in quotes for hover texts and lists, escaped."""
-    return html.escape(repr(visible(token_of(trace, token), limit)))
+    """A token in quotes for hover texts and lists, escaped once."""
+    return escape(repr(visible(token_of(trace, token), limit)))
 
 
 def _fmt(p) -> str:
@@ -178,10 +200,14 @@ def step_html(trace: dict | None, step: int | None) -> str:
     has_draft_p = tree.get("logprobs") is not None
     t = s.get("times_ms", {})
     times = " · ".join(f"{k} {v:.2f} ms" for k, v in t.items() if isinstance(v, (int, float)))
-    lines = [f"<b>Step {s.get('index', step)}</b>: {len(tokens) - 1} drafted nodes (depth "
+    n_new = len(s.get("new_tokens", []))
+    lines = [f"<b>Step {s.get('index', step)}</b>: {plural(len(tokens) - 1, 'drafted node')} (depth "
              f"{max_depth_of(s) if parents else 0}), {len(s.get('accepted_tokens', []))} accepted + 1 bonus "
-             f"→ {len(s.get('new_tokens', []))} new tokens · verified as <b>{html.escape(str(s.get('mode')))}</b>"
-             f" · {html.escape(times)}"]
+             f"→ {plural(n_new, 'new token')} · verified as <b>{escape(str(s.get('mode')))}</b>"
+             f" · {escape(times)}"]
+    cut = truncation(trace, step)
+    if cut:
+        lines.append(f'<span style="color:{REJECTED}">{escape(cut)}</span>')
     rejected = []
     choice = s.get("target_choice") or []
     for node in path:
@@ -199,11 +225,32 @@ def step_html(trace: dict | None, step: int | None) -> str:
         more = len(rejected) - len(shown) + others
         lines.append(f'<span style="color:{REJECTED}">Rejected candidates next to the accepted path:</span>'
                      f"<ul style='margin:2px 0'>{''.join(shown)}</ul>"
-                     + (f"and {more} more nodes below them." if more > 0 else ""))
+                     + (f"and {plural(more, 'more node')} below them." if more > 0 else ""))
     else:
         lines.append("Every drafted node was accepted." if len(on_path) == len(tokens)
-                     else f"{others} drafted nodes lay below rejected ones.")
+                     else f"{plural(others, 'drafted node')} lay below rejected ones.")
     return f'<div class="specla-step" style="font-size:13px">{"<br>".join(lines)}</div>'
+
+
+def truncation(trace: dict, step: int) -> str:
+    """Why a step kept fewer tokens than it verified (accepted + bonus), or "" if it kept them all.
+
+    Only a run's last step is cut: by the end-of-text token, or by max new tokens.
+    """
+    s = trace["steps"][step]
+    made = len(s.get("accepted_tokens", [])) + 1
+    new = s.get("new_tokens", [])
+    if len(new) >= made:
+        return ""
+    dropped = plural(made - len(new), "more token")
+    eos = ((trace.get("model") or {}).get("config") or {}).get("eos_token_id")
+    if new and eos is not None and new[-1] == eos:
+        return (f"Cut to {plural(len(new), 'token')}: the end-of-text token ends the run, so the "
+                f"{dropped} verified after it {'is' if made - len(new) == 1 else 'are'} not kept.")
+    limit = (trace.get("settings") or {}).get("max_new_tokens")
+    reached = f"max new tokens ({limit})" if isinstance(limit, int) else "max new tokens"
+    return (f"Cut to {plural(len(new), 'token')}: this step reached {reached}, so the {dropped} "
+            f"verified here {'is' if made - len(new) == 1 else 'are'} not kept.")
 
 
 # ---------------------------------------------------------------------------------------
@@ -267,7 +314,7 @@ def tree_figure(trace: dict | None, step: int | None) -> go.Figure:
             hx.append(x1)
             hy.append(y1)
             lp = p.get("logprob")
-            hover.append(f"pruned before verification ({html.escape(str(p.get('reason', 'confidence')))})<br>"
+            hover.append(f"pruned before verification ({escape(str(p.get('reason', 'confidence')))})<br>"
                          f"token {quoted(trace, p.get('token', -1))}"
                          + (f"<br>draft log p {lp:.3f}" if isinstance(lp, (int, float)) else ""))
         fig.add_trace(go.Scatter(x=px, y=py, mode="lines", line=dict(color=PRUNED, width=1, dash="dot"),
@@ -314,7 +361,7 @@ def tree_figure(trace: dict | None, step: int | None) -> go.Figure:
     ys = [y for _, y in pos.values()] + [star[1]]
     fig.update_xaxes(title_text="depth (tokens after the root)", dtick=1)
     fig.update_yaxes(title_text="sibling slot", showticklabels=False, range=[min(ys) - 0.8, max(ys) + 0.8])
-    return _layout(fig, f"Draft tree of step {s.get('index', step)}: {n - 1} drafted nodes, "
+    return _layout(fig, f"Draft tree of step {s.get('index', step)}: {plural(n - 1, 'drafted node')}, "
                         f"{len(path) - 1} accepted + bonus", "tree")
 
 
@@ -322,14 +369,55 @@ def tree_figure(trace: dict | None, step: int | None) -> go.Figure:
 # LiLiCorr lattice
 
 
+LATTICE_SCALE = "Blues"
+LATTICE_ZMIN, LATTICE_ZMAX = -8.0, 0.0
+FRAME = 0.44       # half the side of a cell frame, in cell units (a cell is 1 x 1)
+
+
+def text_colour_on(z: float | None) -> str:
+    """Black or white, whichever reads better on the lattice colour of log-probability z.
+
+    The cell colour is sampled from the heatmap's own colour scale and the text colour picked
+    by the WCAG contrast ratio against it.
+    """
+    from plotly.colors import sample_colorscale, unlabel_rgb
+
+    if z is None:
+        return "#111827"
+    t = min(1.0, max(0.0, (z - LATTICE_ZMIN) / (LATTICE_ZMAX - LATTICE_ZMIN)))
+    rgb = unlabel_rgb(sample_colorscale(LATTICE_SCALE, [t])[0])
+
+    def channel(c: float) -> float:
+        c /= 255
+        return c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4
+
+    lum = 0.2126 * channel(rgb[0]) + 0.7152 * channel(rgb[1]) + 0.0722 * channel(rgb[2])
+    # contrast with white (1.05 / (lum + 0.05)) against contrast with black ((lum + 0.05) / 0.05)
+    return "#ffffff" if 1.05 / (lum + 0.05) > (lum + 0.05) / 0.05 else "#111827"
+
+
+def _frames(cells: list[tuple[int, int]], half: float) -> tuple[list, list]:
+    """One polyline of square frames around lattice cells (slot, rank), None-separated."""
+    xs, ys = [], []
+    for x, y in cells:
+        xs += [x - half, x + half, x + half, x - half, x - half, None]
+        ys += [y - half, y - half, y + half, y + half, y - half, None]
+    return xs, ys
+
+
 def lattice_figure(trace: dict | None, step: int | None) -> go.Figure:
+    """The LiLiCorr lattice of a step: candidate tokens in cells, paths as frames around them.
+
+    Frames and lines never cross a cell's text: the chosen path and the target's tokens are
+    frames, the top-1 path a line along rank 0's upper edge, pair scores a row above.
+    """
     steps = (trace or {}).get("steps") or []
     if step is None or not 0 <= step < len(steps):
         return empty_figure("LiLiCorr lattice", "No step to show yet.", "lattice")
     lat = steps[step].get("lattice")
     cands = (lat or {}).get("candidates")
     if not lat or not isinstance(cands, list) or not cands or not all(isinstance(r, list) and r for r in cands):
-        drafter = html.escape(visible(str((trace.get("settings") or {}).get("drafter", "this")), 24))
+        drafter = escape(visible(str((trace.get("settings") or {}).get("drafter", "this")), 24))
         return empty_figure("LiLiCorr lattice",
                             f"No lattice in this step: the {drafter} drafter does not build one.<br>"
                             "Only the LiLiCorr drafter proposes a slots × top-k lattice of candidates<br>"
@@ -340,41 +428,44 @@ def lattice_figure(trace: dict | None, step: int | None) -> go.Figure:
     text = [[label(trace, cands[s][j]) if j < len(cands[s]) else "" for s in range(S)] for j in range(k)]
     slots = list(range(1, S + 1))
     fig = go.Figure(go.Heatmap(
-        x=slots, y=list(range(k)), z=z, text=text, texttemplate="%{text}", textfont=dict(size=10),
-        zmin=-8, zmax=0, colorscale="Blues", colorbar=dict(title=dict(text="drafter log p"), thickness=12),
+        x=slots, y=list(range(k)), z=z, text=text, zmin=LATTICE_ZMIN, zmax=LATTICE_ZMAX, colorscale=LATTICE_SCALE,
+        colorbar=dict(title=dict(text="drafter log p"), thickness=12),
         hovertemplate="slot %{x} · rank %{y}<br>token %{text}<br>log p %{z:.2f}<extra></extra>",
         name="candidates"))
-    fig.add_trace(go.Scatter(x=slots, y=[0] * S, mode="lines", line=dict(color="#6b7280", width=2, dash="dash"),
-                             name="top-1 path (block drafter alone)", hoverinfo="skip"))
+    cells = [(s, j) for j in range(k) for s in range(S) if text[j][s]]
+    fig.add_trace(go.Scatter(
+        x=[s + 1 for s, _ in cells], y=[j for _, j in cells], mode="text", text=[text[j][s] for s, j in cells],
+        textfont=dict(size=11, family="monospace", color=[text_colour_on(z[j][s]) for s, j in cells]),
+        hoverinfo="skip", showlegend=False, name="candidate tokens"))
+    fig.add_trace(go.Scatter(x=[0.5, S + 0.5], y=[-0.5, -0.5], mode="lines", hoverinfo="skip",
+                             line=dict(color="#6b7280", width=2, dash="dash"),
+                             name="top-1 path = rank 0 (block drafter alone)"))
     chosen = [c for c in (lat.get("chosen") or []) if isinstance(c, int)][:S]
     if chosen:
-        fig.add_trace(go.Scatter(x=slots[:len(chosen)], y=chosen, mode="lines+markers",
-                                 line=dict(color=BONUS, width=3), marker=dict(size=9, color=BONUS),
-                                 name="chosen path (LiLiCorr)", hoverinfo="skip"))
+        fx, fy = _frames([(s + 1, c) for s, c in enumerate(chosen)], FRAME)
+        fig.add_trace(go.Scatter(x=fx, y=fy, mode="lines", line=dict(color=BONUS, width=3), hoverinfo="skip",
+                                 name="chosen path (LiLiCorr)"))
         pair = lat.get("pair_scores") or _path_pairs(lat.get("pair"), chosen)
-        mids = [(s + 1.5, (chosen[s] + chosen[s + 1]) / 2, _num(_at(pair, s)))
-                for s in range(min(len(chosen) - 1, len(pair)))]
-        if mids:
-            fig.add_trace(go.Scatter(x=[m[0] for m in mids], y=[m[1] for m in mids], mode="text",
-                                     text=[f"{m[2]:.1f}" if m[2] is not None else "" for m in mids],
-                                     textfont=dict(color="#7c2d12", size=10), name="pair score on the chosen path",
-                                     hoverinfo="skip"))
+        scores = [(s + 1.5, _num(_at(pair, s))) for s in range(min(len(chosen) - 1, len(pair)))]
+        if scores:
+            fig.add_trace(go.Scatter(x=[x for x, _ in scores], y=[-0.85] * len(scores), mode="text",
+                                     text=[f"{v:.1f}" if v is not None else "" for _, v in scores],
+                                     textfont=dict(color="#7c2d12", size=10), hoverinfo="skip",
+                                     name="pair score on the chosen path (above, between slots)"))
     truth = lat.get("truth") or []
-    tx, ty = [], []
-    for s, token in enumerate(truth[:S]):
-        if token in cands[s]:
-            tx.append(s + 1)
-            ty.append(cands[s].index(token))
-    if tx:
-        fig.add_trace(go.Scatter(x=tx, y=ty, mode="markers", name="target's token (truth)",
-                                 marker=dict(symbol="circle-open", size=22, color=REJECTED, line=dict(width=2)),
-                                 hoverinfo="skip"))
-    fig.update_xaxes(title_text="slot (position after the root)", dtick=1)
-    fig.update_yaxes(title_text="candidate rank (top-k)", autorange="reversed", dtick=1)
+    hits = [(s + 1, cands[s].index(token)) for s, token in enumerate(truth[:S]) if token in cands[s]]
+    if hits:
+        tx, ty = _frames(hits, FRAME - 0.07)
+        fig.add_trace(go.Scatter(x=tx, y=ty, mode="lines", line=dict(color=REJECTED, width=2, dash="dot"),
+                                 hoverinfo="skip", name="target's token (truth)"))
+    fig.update_xaxes(title_text="slot (position after the root)", dtick=1, range=[0.5, S + 0.5])
+    fig.update_yaxes(title_text="candidate rank (top-k)", autorange=False, range=[k - 0.5, -1.1],
+                     tickvals=list(range(k)))
     pre = " · ".join(f"{name} prefix {lat.get(key)}" for name, key in
                      (("selected", "selected_prefix"), ("top-1", "top1_prefix"), ("oracle", "oracle_prefix"))
                      if lat.get(key) is not None)
-    return _layout(fig, f"LiLiCorr lattice of step {steps[step].get('index', step)}: {pre} (of {S} slots)", "lattice")
+    return _layout(fig, f"LiLiCorr lattice of step {steps[step].get('index', step)}: {pre} (of {plural(S, 'slot')})",
+                   "lattice")
 
 
 def _path_pairs(pair, chosen: list[int]) -> list:
@@ -420,15 +511,19 @@ def commit_figure(trace: dict | None, step: int | None = None) -> go.Figure:
                                  line=dict(color=colour, dash=dash), marker=dict(size=4), name=name,
                                  hovertemplate="step %{x}: %{y:.3s}B<extra>" + name + "</extra>"), row=2, col=1)
     modes = [str(s.get("mode", "?")) for s in steps]
-    fig.add_trace(go.Bar(x=x, y=[(s.get("times_ms") or {}).get("commit", 0.0) for s in steps], marker_color="#6b7280",
-                         text=modes if len(steps) <= 40 else None, textposition="outside", textfont=dict(size=9),
-                         cliponaxis=False,
+    commit_ms = [_num((s.get("times_ms") or {}).get("commit")) or 0.0 for s in steps]
+    cap = axis_cap(commit_ms)
+    labels = [m if cap is None or v <= cap else "" for m, v in zip(modes, commit_ms)]
+    fig.add_trace(go.Bar(x=x, y=commit_ms, marker_color="#6b7280",
+                         text=labels if len(steps) <= 40 else None, textposition="outside", textfont=dict(size=9),
+                         cliponaxis=cap is None,
                          customdata=modes, name="commit time (label: verification mode)",
                          hovertemplate="step %{x}: commit %{y:.3f} ms · verified as %{customdata}<extra></extra>"),
                   row=3, col=1)
+    _mark_clipped(fig, x, commit_ms, cap, row=3, col=1)
     fig.update_yaxes(title_text="tokens", row=1, col=1)
     fig.update_yaxes(title_text="bytes", type="log", row=2, col=1)
-    fig.update_yaxes(title_text="ms", row=3, col=1)
+    fig.update_yaxes(title_text="ms", row=3, col=1, **({} if cap is None else {"range": [0, 1.25 * cap]}))
     fig.update_xaxes(title_text="step (the bar after the last step: flush at the end)", row=3, col=1)
     fig.update_layout(barmode="stack")
     _highlight(fig, step, steps, rows=3)
@@ -436,6 +531,33 @@ def commit_figure(trace: dict | None, step: int | None = None) -> go.Figure:
     return _layout(fig, "State-factor commits: " + ("deferred (folded into the next verification)" if deferred
                                                     else "immediate (folded after each verification)"),
                    "commit", height=600, side_legend=True)
+
+
+def axis_cap(values: list[float], quantile: float = 0.9, factor: float = 2.0) -> float | None:
+    """An axis top that keeps bars readable when a few values are far above the rest.
+
+    `factor` x the `quantile` of the values, when the largest value is above that (and
+    there are at least 5 values); None when every bar fits as it is.
+    """
+    vals = sorted(v for v in values if _num(v) is not None and v >= 0)
+    if len(vals) < 5:
+        return None
+    ref = vals[int(quantile * (len(vals) - 1))]
+    cap = factor * ref
+    return cap if ref > 0 and vals[-1] > cap else None
+
+
+def _mark_clipped(fig: go.Figure, x: list, totals: list[float], cap: float | None, row: int, col: int) -> None:
+    """A ▲ with the true value over every bar that the axis cap cuts off."""
+    if cap is None:
+        return
+    over = [(xi, v) for xi, v in zip(x, totals) if v > cap]
+    fig.add_trace(go.Scatter(
+        x=[xi for xi, _ in over], y=[1.08 * cap] * len(over), mode="markers+text",
+        marker=dict(symbol="triangle-up", size=10, color="#111827"), text=[f"{v:.1f} ms" for _, v in over],
+        textposition="middle right", textfont=dict(size=10), cliponaxis=False,
+        hovertemplate="step %{x}: %{text} (bar cut at the axis top)<extra></extra>",
+        name="▲ bar above the axis (its value)"), row=row, col=col)
 
 
 def _highlight(fig: go.Figure, step: int | None, steps: list, rows: int = 1, cols: int = 1) -> None:
@@ -466,7 +588,7 @@ def speedup_figure(trace: dict | None, step: int | None = None) -> go.Figure:
         return empty_figure("Speedup", "No steps yet." + (" AR baseline measured: "
                             f"{baseline.get('tokens_per_s', 0):.1f} tokens/s." if baseline else ""), "speedup")
     model = trace.get("model") or {}
-    hardware = html.escape(visible(str(model.get("hardware") or model.get("device") or "unknown hardware"), 80))
+    hardware = escape(visible(str(model.get("hardware") or model.get("device") or "unknown hardware"), 80))
     spec, ar = summary.get("tokens_per_s", 0.0), baseline.get("tokens_per_s")
     x = [s.get("index", i) for i, s in enumerate(steps)]
     taus = [len(s.get("new_tokens", [])) for s in steps]
@@ -501,23 +623,31 @@ def speedup_figure(trace: dict | None, step: int | None = None) -> go.Figure:
                          name="steps by accepted drafts",
                          hovertemplate="%{y} steps accepted %{x} drafts<extra></extra>"),
                   row=2, col=1)
+    totals = [0.0] * len(steps)
     for phase, colour in PHASES.items():
-        fig.add_trace(go.Bar(x=x, y=[(s.get("times_ms") or {}).get(phase, 0.0) for s in steps], marker_color=colour,
+        ms = [_num((s.get("times_ms") or {}).get(phase)) or 0.0 for s in steps]
+        totals = [t + v for t, v in zip(totals, ms)]
+        fig.add_trace(go.Bar(x=x, y=ms, marker_color=colour,
                              name=f"{phase} ms", hovertemplate=f"step %{{x}}: {phase} %{{y:.3f}} ms<extra></extra>"),
                       row=2, col=2)
+    step_cap = axis_cap(totals)
+    _mark_clipped(fig, x, totals, step_cap, row=2, col=2)
     fig.update_layout(barmode="stack")
     fig.update_yaxes(title_text="tokens / s", range=[0, 1.2 * max(spec, ar or 0, 1e-9)], row=1, col=1)
     fig.update_yaxes(title_text="tokens", rangemode="tozero", row=1, col=2)
     fig.update_xaxes(title_text="step", row=1, col=2)
     fig.update_yaxes(title_text="steps", row=2, col=1)
     fig.update_xaxes(title_text="accepted drafts in a step", dtick=1, row=2, col=1)
-    fig.update_yaxes(title_text="ms", row=2, col=2)
+    fig.update_yaxes(title_text="ms", row=2, col=2, **({} if step_cap is None else {"range": [0, 1.25 * step_cap]}))
     fig.update_xaxes(title_text="step", row=2, col=2)
     speed = summary.get("speedup")
     head = f"Speedup {speed:.2f}× vs AR" if isinstance(speed, (int, float)) else "Speedup (no AR baseline)"
+    spread = speedup_spread(summary)
+    if spread and isinstance(speed, (int, float)):
+        head += f" ({spread[0]:.2f}× to {spread[1]:.2f}× over alternating runs)"
     launch = model.get("launch")
     if isinstance(launch, str):
-        hardware += f" ({html.escape(launch)}, both sides)"
+        hardware += f" ({escape(launch)}, both sides)"
     fig = _layout(fig, f"{head} · measured in this run on {hardware} · batch 1, "
                        f"{'greedy' if not (trace.get('settings') or {}).get('temperature') else 'sampling'}",
                   "speedup", height=600, side_legend=True)

@@ -315,17 +315,43 @@ def parse_paths(text: Any) -> list[list[int]] | None:
 
 
 def _number(settings: dict, key: str, kind: type, lo: float, hi: float, optional: bool = False):
+    """One numeric setting, checked: a finite number of the right kind within [lo, hi].
+
+    Whole numbers may come as floats or text ("3", 3.0) from a slider or an API client;
+    a fraction where a whole number is needed (3.7 tokens) is refused, never cut, and so
+    are booleans, lists and other non-numbers. Every refusal is a ValueError naming the
+    setting and the value.
+    """
+    name = key.replace("_", " ")
     value = settings.get(key, DEFAULTS[key])
-    if optional and value in (None, ""):
+    if optional and (value is None or (isinstance(value, str) and not value.strip())):
         return None
-    try:
-        value = kind(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{key.replace('_', ' ')} must be a number, got {value!r}") from None
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{key.replace('_', ' ')} must be finite")
+    raw = value
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise ValueError(f"{name} must be a number, got {raw!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {raw!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {raw!r}")
+    if kind is int:
+        if value != int(value):
+            raise ValueError(f"{name} must be a whole number, got {raw!r}")
+        value = int(value)
+    else:
+        value = float(value)
     if not lo <= value <= hi:
-        raise ValueError(f"{key.replace('_', ' ')} must be between {lo} and {hi}, got {value}")
+        raise ValueError(f"{name} must be between {lo} and {hi}, got {value}")
+    return value
+
+
+def _choice(settings: dict, key: str, choices, label: str):
+    """A text setting that must be one of `choices`; anything else is a ValueError."""
+    value = settings[key]
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{label} must be one of {', '.join(choices)}, got {value!r}")
     return value
 
 
@@ -338,12 +364,10 @@ def normalize_settings(runtime: Runtime, settings: dict | None) -> dict:
     s = dict(DEFAULTS, **{k: v for k, v in (settings or {}).items() if k in DEFAULTS})
     if s["drafter"] in (None, ""):
         s["drafter"] = next(iter(runtime.drafters))
-    if s["drafter"] not in runtime.drafters:
+    if not isinstance(s["drafter"], str) or s["drafter"] not in runtime.drafters:
         raise ValueError(f"unknown drafter {s['drafter']!r}; this model has: {', '.join(runtime.drafters)}")
-    if s["tree"] not in TREE_SHAPES:
-        raise ValueError(f"tree shape must be one of {', '.join(TREE_SHAPES)}, got {s['tree']!r}")
-    if s["mode"] not in MODES:
-        raise ValueError(f"verification mode must be one of {', '.join(MODES)}, got {s['mode']!r}")
+    _choice(s, "tree", TREE_SHAPES, "tree shape")
+    _choice(s, "mode", MODES, "verification mode")
     s["top_k"] = _number(s, "top_k", int, 1, min(64, runtime.vocab_size))
     s["budget"] = _number(s, "budget", int, 1, MAX_TREE_NODES - 1)
     s["block_size"] = _number(s, "block_size", int, 2, 64)
@@ -354,7 +378,8 @@ def normalize_settings(runtime: Runtime, settings: dict | None) -> dict:
     s["max_new_tokens"] = _number(s, "max_new_tokens", int, 1, MAX_NEW_TOKENS)
     s["seed"] = _number(s, "seed", int, 0, 2**31 - 1)
     s["oracle_alpha"] = _number(s, "oracle_alpha", float, 0.0, 1.0)
-    s["deferred"] = bool(s["deferred"])
+    if not isinstance(s["deferred"], bool):
+        raise ValueError(f"deferred commit must be true or false, got {s['deferred']!r}")
     s["paths"] = parse_paths(s["paths"])
     is_chain = s["tree"] == "chain" if s["paths"] is None else all(p == [0] * len(p) for p in s["paths"])
     if s["mode"] == "chain" and not is_chain:
@@ -614,11 +639,25 @@ def replay(data: Any, runtime: Runtime | None = None) -> tuple[dict, str]:
                    f"({runtime.model_name}): the views show the trace as recorded; Run uses the loaded model.")
 
 
+EXPORT_KEEP = 20              # exported trace files kept on disk: the newest ...
+EXPORT_MAX_AGE_S = 30 * 60    # ... and none older than this (a download link lives this long)
+
+
+def export_folder(folder: str | Path | None = None) -> Path:
+    """Where exports go: `folder`, else $GRADIO_TEMP_DIR/traces, else ./.gradio/traces."""
+    return Path(folder or os.environ.get("GRADIO_TEMP_DIR") or Path.cwd() / ".gradio") / "traces"
+
+
 def export_trace(trace: dict, folder: str | Path | None = None) -> Path:
-    """Write `trace-<uuid>.json` (random name: files in the app's cache are public by URL)."""
+    """Check `trace`, write it as `trace-<uuid>.json` and prune older exports.
+
+    The name is random because files in the app's cache are public by URL. A trace that
+    breaks the trace invariant raises TraceError and nothing is written.
+    """
     import uuid
 
-    folder = Path(folder or os.environ.get("GRADIO_TEMP_DIR") or Path.cwd() / ".gradio") / "traces"
+    tr.validate_trace(trace)
+    folder = export_folder(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"trace-{uuid.uuid4().hex}.json"
     try:
@@ -626,4 +665,30 @@ def export_trace(trace: dict, folder: str | Path | None = None) -> Path:
     except UnicodeEncodeError:     # lone surrogates from an uploaded trace: keep them as \u escapes
         data = json.dumps(trace, separators=(",", ":")).encode("ascii")
     path.write_bytes(data)
+    prune_exports(folder, keep_path=path)
     return path
+
+
+def prune_exports(folder: str | Path, keep: int = EXPORT_KEEP, max_age_s: float = EXPORT_MAX_AGE_S,
+                  keep_path: Path | None = None) -> int:
+    """Delete exported traces beyond the newest `keep` and any older than `max_age_s`.
+
+    `keep_path` (the export just written) always stays. Returns the number deleted.
+    """
+    files = []
+    for path in Path(folder).glob("trace-*.json"):
+        try:
+            files.append((path.stat().st_mtime, path))
+        except OSError:        # deleted by another session meanwhile
+            continue
+    files.sort(reverse=True)
+    now, deleted = time.time(), 0
+    for rank, (mtime, path) in enumerate(files):
+        if path == keep_path or (rank < keep and now - mtime <= max_age_s):
+            continue
+        try:
+            path.unlink()
+            deleted += 1
+        except OSError:
+            pass
+    return deleted

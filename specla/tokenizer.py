@@ -102,8 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--corpus", default="data/corpus", help="folder written by `corpus`")
     ap.add_argument("--out", default="assets", help="where the tokenizer files go")
     ap.add_argument("--vocab-size", type=int, default=TokenizerConfig.vocab_size)
-    ap.add_argument("--examples", default="examples/prompts.jsonl",
-                    help="demo prompts (shipped in git); '' to skip")
+    ap.add_argument("--examples", default="",
+                    help="also write demo prompts (signature + docstring openings) here; the shipped "
+                         "examples/prompts.jsonl is curated by hand (tests/test_examples.py checks it)")
     args = ap.parse_args(argv)
 
     t0 = time.time()

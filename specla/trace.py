@@ -25,7 +25,7 @@ import json
 import math
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 SCHEMA = "specla-trace"
 VERSION = 1
@@ -148,23 +148,61 @@ def output_tokens(steps: list[dict]) -> tuple[list[int], list[str], list[int]]:
 def build_trace(*, model: dict, settings: dict, prompt: str, prompt_tokens: list[int],
                 steps: list[dict], decode: Callable[[list[int]], str], seconds: float,
                 baseline: dict | None) -> dict:
+    """A complete trace of `steps`; `decode` gives the text of every token id it mentions."""
     tokens, sources, step_of = output_tokens(steps)
-    ids = set(prompt_tokens) | set(tokens)
-    for s in steps:
-        ids.update(s["tree"]["tokens"])
-        ids.update(s["target_choice"])
-        for row in (s.get("lattice") or {}).get("candidates", []):
-            ids.update(row)
-    return {
+    trace = {
         "schema": SCHEMA, "version": VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": model, "settings": settings, "prompt": prompt, "prompt_tokens": prompt_tokens,
-        "token_text": {str(i): decode([i]) for i in sorted(ids)},
+        "token_text": {},
         "steps": steps,
         "output": {"tokens": tokens, "sources": sources, "step_of": step_of, "text": decode(tokens)},
         "summary": summarize(steps, seconds, baseline),
         "baseline": baseline,
     }
+    ids = sorted({token for token, _ in token_ids(trace) if _is_token(token)})
+    trace["token_text"] = {str(i): decode([i]) for i in ids}
+    return trace
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def token_ids(trace: dict) -> Iterator[tuple[Any, str]]:
+    """Every token id a trace mentions, with where it sits (for messages).
+
+    The views show the text of each of these, so `token_text` must hold all of them.
+    """
+    for token in trace.get("prompt_tokens") or []:
+        yield token, "the prompt"
+    output_ids = (trace.get("output") or {}).get("tokens")
+    for token in output_ids if isinstance(output_ids, list) else []:
+        yield token, "the output"
+    for i, step in enumerate(trace.get("steps") or []):
+        where = f"step {i}"
+        tree = step.get("tree") or {}
+        for key, values in (("tree", tree.get("tokens")), ("target choices", step.get("target_choice")),
+                            ("accepted tokens", step.get("accepted_tokens")),
+                            ("new tokens", step.get("new_tokens"))):
+            for token in values if isinstance(values, list) else []:
+                yield token, f"{where}'s {key}"
+        if "bonus" in step:
+            yield step["bonus"], f"{where}'s bonus token"
+        for node in tree.get("pruned") or []:
+            if isinstance(node, dict):
+                for key in ("token", "parent_token"):
+                    if key in node:
+                        yield node[key], f"{where}'s pruned nodes"
+        lattice = step.get("lattice")
+        if isinstance(lattice, dict):
+            # a malformed lattice only shows less in its view; the token ids it does hold need text
+            for row in lattice.get("candidates") or []:
+                for token in row if isinstance(row, list) else []:
+                    yield token, f"{where}'s lattice"
+            truth = lattice.get("truth")
+            for token in truth if isinstance(truth, list) else []:
+                yield token, f"{where}'s lattice"
 
 
 def _require(cond: bool, message: str) -> None:
@@ -173,7 +211,10 @@ def _require(cond: bool, message: str) -> None:
 
 
 def validate_trace(data: Any) -> dict:
-    """Check a loaded trace deeply enough that every view can draw it."""
+    """Check a trace deeply enough that every view can draw it, and its invariant.
+
+    Used on load (`load_trace`, replay) and before an export; returns `data` unchanged.
+    """
     _require(isinstance(data, dict), "not a SpecLA trace: the file holds no JSON object")
     _require(data.get("schema") == SCHEMA, "not a SpecLA trace: 'schema' is not 'specla-trace'")
     version = data.get("version")
@@ -199,7 +240,44 @@ def validate_trace(data: Any) -> dict:
                  f"step {i}: times or commit missing")
         for v in step["times_ms"].values():
             _require(isinstance(v, (int, float)) and math.isfinite(v), f"step {i}: bad time value")
+    check_consistency(data)
     return data
+
+
+def check_consistency(trace: dict) -> None:
+    """The invariant every trace keeps, whether complete, partial or cut short by Stop.
+
+    The output is the steps' new tokens in order; the summary counts exactly those tokens
+    and one target forward per step; every token id mentioned has its text. A TraceError
+    names the first broken rule.
+    """
+    steps, output, summary = trace["steps"], trace["output"], trace["summary"]
+    for i, step in enumerate(steps):
+        _require(step.get("index") == i, f"step {i} is numbered {step.get('index')!r}: steps must be 0, 1, 2, ...")
+        made = step["accepted_tokens"] + [step.get("bonus")]
+        new = step["new_tokens"]
+        _require(0 < len(new) <= len(made) and new == made[:len(new)],
+                 f"step {i}: its new tokens are not its accepted tokens plus the bonus (cut at the end)")
+        _require(len(new) == len(made) or i == len(steps) - 1,
+                 f"step {i} kept fewer tokens than it verified, but only a run's last step is cut")
+    tokens, sources, step_of = output_tokens(steps)
+    _require(output.get("tokens") == tokens, "the output tokens are not the steps' new tokens in order")
+    _require(output.get("sources") == sources and output.get("step_of") == step_of,
+             "the output's sources or step numbers do not match its tokens")
+    _require(summary.get("new_tokens") == len(tokens),
+             f"the summary counts {summary.get('new_tokens')!r} new tokens but the steps made {len(tokens)}")
+    _require(summary.get("target_forwards") == len(steps),
+             f"the summary counts {summary.get('target_forwards')!r} target forwards but there are "
+             f"{len(steps)} steps")
+    spread = summary.get("speedup_spread")
+    if spread is not None:
+        _require(isinstance(spread, list) and len(spread) == 2
+                 and all(isinstance(v, (int, float)) and math.isfinite(v) for v in spread)
+                 and spread[0] <= spread[1], "the summary's speedup_spread is not [min, max]")
+    text = trace["token_text"]
+    for token, where in token_ids(trace):
+        _require(_is_token(token), f"{where} holds {token!r}, which is not a token id")
+        _require(str(token) in text, f"token id {token} in {where} has no text in token_text")
 
 
 def dumps(trace: dict) -> str:

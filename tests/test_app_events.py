@@ -12,16 +12,19 @@ os.environ.setdefault("GRADIO_TEMP_DIR", str(Path(__file__).resolve().parent.par
 
 import json  # noqa: E402
 import re  # noqa: E402
+import time  # noqa: E402
 import warnings  # noqa: E402
 
+import gradio as gr  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from specla import figures as F  # noqa: E402
 from specla import runner  # noqa: E402
 from specla.decode import DecodeSettings, ar_generate  # noqa: E402
-from specla.explorer import Explorer, control_values  # noqa: E402
-from specla.trace import MAX_TRACE_BYTES, lattice_with_prefixes, load_trace, validate_trace  # noqa: E402
+from specla.explorer import CONTROL_DEFAULTS, CONTROLS, N_REPLAY, N_VIEWS, Explorer, control_values  # noqa: E402
+from specla.trace import (MAX_TRACE_BYTES, TraceError, lattice_with_prefixes, load_trace,  # noqa: E402
+                          output_tokens, validate_trace)
 
 ERROR, DONE = "**Error:**", "**Done**"
 # gr.Warning outside a page falls back to warnings.warn: expected here
@@ -139,11 +142,17 @@ def test_speedup_is_the_ratio_of_the_two_measured_rates(beam_trace):
     assert sum(taus) / len(taus) == pytest.approx(s["tau"], abs=1e-3)
 
 
+def frame_centres(trace) -> list[tuple[float, float]]:
+    """Centres of the square frames of a None-separated polyline (5 corners + None each)."""
+    xs, ys = list(trace.x), list(trace.y)
+    return [(sum(xs[i:i + 4]) / 4, sum(ys[i:i + 4]) / 4) for i in range(0, len(xs), 6)]
+
+
 def test_lattice_figure_from_a_lattice_and_empty_state(beam_trace):
     # a hand-made lattice: 3 slots x 2 candidates; truth = 5, 8 (the chosen path), bonus 9
     class Acc:
         tokens, bonus = [5, 8], 9
-    lat = lattice_with_prefixes({"candidates": [[4, 5], [8, 7], [1, 2]], "logprobs": [[-0.1, -2], [-0.5, -1], [-1, -3]],
+    lat = lattice_with_prefixes({"candidates": [[4, 5], [8, 7], [1, 2]], "logprobs": [[-0.1, -2], [-0.5, -1], [-1, -7]],
                                  "pair": [[[0, 1], [2, 3]], [[4, 5], [6, 7]]], "chosen": [1, 0, 1], "top1": [0, 0, 0]},
                                 Acc, None)
     assert (lat["selected_prefix"], lat["top1_prefix"], lat["oracle_prefix"]) == (2, 0, 2)
@@ -151,8 +160,20 @@ def test_lattice_figure_from_a_lattice_and_empty_state(beam_trace):
     fig = F.lattice_figure(trace, 0)
     heat = fig.data[0]
     assert len(heat.z) == 2 and len(heat.z[0]) == 3            # rank x slot
-    assert list(by_name(fig, "chosen path").y) == [1, 0, 1]
-    assert list(by_name(fig, "pair score").text) == ["2.0", "5.0"]   # pair[0][1][0], pair[1][0][1]
+    assert frame_centres(by_name(fig, "chosen path")) == [(1, 1), (2, 0), (3, 1)]
+    assert frame_centres(by_name(fig, "target's token")) == [(1, 1), (2, 0)]
+    scores = by_name(fig, "pair score")
+    assert list(scores.text) == ["2.0", "5.0"]                  # pair[0][1][0], pair[1][0][1]
+    assert all(y < -0.5 for y in scores.y)                       # a row above rank 0, off the cells
+    # frames and the top-1 line keep clear of the cell centres, where the token text sits
+    for name in ("chosen path", "target's token", "top-1 path"):
+        line = by_name(fig, name)
+        assert all(abs(x - round(x)) > 0.3 or abs(y - round(y)) > 0.3
+                   for x, y in zip(line.x, line.y) if x is not None)
+    # token text: black on the light cells, white on the dark ones
+    words = fig.data[1]
+    colour = {(x, y): c for x, y, c in zip(words.x, words.y, words.textfont.color)}
+    assert colour[(1, 0)] == "#ffffff" and colour[(3, 1)] == "#111827"   # log p -0.1 / -7
     assert "selected prefix 2" in fig.layout.title.text and "oracle prefix 2" in fig.layout.title.text
     empty = F.lattice_figure(beam_trace, 0)                      # the oracle builds no lattice
     assert "No lattice" in empty.layout.annotations[0].text
@@ -165,7 +186,7 @@ def test_lattice_from_a_lilicorr_run(ex):
     assert trace["steps"][0]["lattice"]["candidates"]
     fig = F.lattice_figure(trace, 0)
     assert fig.data[0].type == "heatmap"
-    assert len(by_name(fig, "chosen path").x) == len(trace["steps"][0]["lattice"]["chosen"])
+    assert len(frame_centres(by_name(fig, "chosen path"))) == len(trace["steps"][0]["lattice"]["chosen"])
 
 
 def test_token_html_escapes_and_shows_whitespace(ex):
@@ -207,16 +228,39 @@ def test_scrub_moves_the_step_views(ex, beam_trace):
     ("", {}, "empty"),
     ("   \n\t ", {}, "empty"),
     ("x" * 30_000, {}, "limit"),
+    (None, {}, "the prompt must be text"),
     ("def f():", {"tree": "beam", "mode": "chain"}, "chain verification needs a chain"),
     ("def f():", {"paths": "[[0], [0, 0"}, "not a JSON list"),
     ("def f():", {"paths": "[[1, 0]]"}, "comes before its parent"),
+    ("def f():", {"paths": 7}, "tree preset must be a non-empty list"),
     ("def f():", {"drafter": "nope"}, "unknown drafter"),
-    ("def f():", {"top_k": 0}, "top k"),
-    ("def f():", {"temperature": float("nan")}, "finite"),
-], ids=["empty", "blank", "huge", "chain-on-tree", "bad-preset", "orphan-preset", "drafter", "top-k-0", "nan"])
+    ("def f():", {"drafter": [1]}, "unknown drafter"),
+    ("def f():", {"tree": 5}, "tree shape must be one of chain, beam, best-first, got 5"),
+    ("def f():", {"mode": None}, "verification mode must be one of"),
+    ("def f():", {"top_k": 0}, "top k must be between 1"),
+    ("def f():", {"top_k": "abc"}, "top k must be a number, got 'abc'"),
+    ("def f():", {"top_k": None}, "top k must be a number, got None"),
+    ("def f():", {"top_k": True}, "top k must be a number, got True"),
+    ("def f():", {"budget": [3]}, "budget must be a number, got [3]"),
+    ("def f():", {"temperature": float("nan")}, "temperature must be a finite number"),
+    ("def f():", {"seed": float("nan")}, "seed must be a finite number"),
+    ("def f():", {"max_new_tokens": 3.7}, "max new tokens must be a whole number, got 3.7"),
+    ("def f():", {"max_new_tokens": "3.5"}, "max new tokens must be a whole number, got '3.5'"),
+    ("def f():", {"deferred": "yes"}, "deferred commit must be true or false, got 'yes'"),
+], ids=["empty", "blank", "huge", "none-prompt", "chain-on-tree", "bad-preset", "orphan-preset", "number-preset",
+        "drafter", "list-drafter", "int-tree", "none-mode", "top-k-0", "top-k-text", "top-k-none", "top-k-bool",
+        "list-budget", "nan", "nan-seed", "fraction", "fraction-text", "deferred-text"])
 def test_bad_input_gives_a_message(ex, prompt, settings, expect):
     outs = run(ex, prompt, **settings)
-    assert outs[-1][0].startswith(ERROR) and expect in outs[-1][0]
+    assert len(outs) == 1, "refused before any model work"
+    assert outs[-1][0] == f"{ERROR} {outs[-1][0][len(ERROR) + 1:]}" and expect in outs[-1][0], outs[-1][0]
+    assert all(o == gr.skip() for o in outs[-1][1:]), "bad input leaves every view and the kept trace alone"
+
+
+def test_whole_numbers_may_come_as_floats_or_text(ex):
+    trace = last_trace(run(ex, "def f():", top_k="3", budget=5.0, max_new_tokens="7", seed=2.0))
+    assert trace["settings"]["top_k"] == 3 and trace["settings"]["budget"] == 5
+    assert trace["settings"]["max_new_tokens"] == 7 == len(trace["output"]["tokens"])
 
 
 @pytest.mark.parametrize("prompt,settings", [
@@ -265,47 +309,97 @@ def test_bad_trace_files_give_messages(ex, beam_trace, tmp_path):
 
 
 def test_replay_of_a_foreign_model_and_of_odd_but_valid_traces(ex, beam_trace, tmp_path):
-    foreign = dict(beam_trace, model=dict(beam_trace["model"], name="another-model", fingerprint="0" * 16),
-                   token_text={})
-    step = dict(beam_trace["steps"][0], lattice={"candidates": [[1, 2], "x"], "chosen": ["a"]},
+    foreign = dict(beam_trace, model=dict(beam_trace["model"], name="another-model", fingerprint="0" * 16))
+    known = [int(t) for t in list(beam_trace["token_text"])[:2]]
+    step = dict(beam_trace["steps"][0], lattice={"candidates": [known, "x"], "chosen": ["a"]},
                 draft_probs=[], target_probs=[None], target_choice=None)
     foreign["steps"] = [step] + beam_trace["steps"][1:]
     out = drain(ex.on_upload(_write(tmp_path, "foreign-model.json", json.dumps(foreign).encode())))[-1]
     assert "not the loaded model" in out[0] and "another-model" in out[0]
     assert len(out[4].data) >= 3 and "No lattice" in out[5].layout.annotations[0].text
-    empty = dict(beam_trace, steps=[], output={"tokens": [], "sources": [], "step_of": [], "text": ""})
+    empty = dict(beam_trace, steps=[], output={"tokens": [], "sources": [], "step_of": [], "text": ""},
+                 summary=dict(beam_trace["summary"], new_tokens=0, target_forwards=0))
     out = drain(ex.on_upload(_write(tmp_path, "empty.json", json.dumps(empty).encode())))[-1]
     assert "Replaying" in out[0] and out[4].layout.annotations
 
 
-def test_a_trace_with_wrong_types_inside_still_replays(ex, beam_trace, tmp_path):
+def test_a_trace_with_wrong_types_inside_still_replays(ex, beam_trace, tmp_path, monkeypatch):
     odd = json.loads(json.dumps(beam_trace))
     odd["model"]["name"] = "\ud800 <b>bold</b>"
     odd["model"]["hardware"] = ["not", "a", "string"]
     odd["summary"]["tau"] = "many"
     odd["settings"]["drafter"] = {"x": 1}
-    odd["steps"][0]["tree"]["tokens"] = ["a"] * len(odd["steps"][0]["tree"]["tokens"])
+    odd["settings"]["top_k"] = "three"
     odd["steps"][1]["commit"] = {"folded_now": "two"}
     path = tmp_path / "odd.json"
     path.write_text(json.dumps(odd))                     # ASCII, surrogate escaped
+
+    def broken(trace, step):
+        raise KeyError("no such field")
+    monkeypatch.setattr(F, "tree_figure", broken)        # a view that cannot read a trace
     out = drain(ex.on_upload(str(path)))[-1]
     assert "Replaying" in out[0] and "<b>" not in out[0]
-    assert "cannot be drawn" in out[4].layout.annotations[0].text       # the tree of step 0
+    assert "is not loaded here" in out[0] and "top-k 'three' is not a number" in out[0]
+    assert "cannot be drawn" in out[4].layout.annotations[0].text       # only that view gives up
     for fig in out[4:8]:
         fig.to_json()                                                  # what gr.Plot sends
     load_trace(runner.export_trace(out[9]))
 
 
+def cut_an_early_step(trace: dict) -> None:
+    """Drop the bonus of a step before the last, output and summary made to agree, as if cut."""
+    step = next(s for s in trace["steps"][:-1] if len(s["new_tokens"]) >= 2)
+    step["new_tokens"] = step["new_tokens"][:-1]
+    tokens, sources, step_of = output_tokens(trace["steps"])
+    trace["output"].update(tokens=tokens, sources=sources, step_of=step_of)
+    trace["summary"]["new_tokens"] = len(tokens)
+
+
+@pytest.mark.parametrize("break_it,expect", [
+    (lambda t: t["summary"].update(new_tokens=t["summary"]["new_tokens"] + 5), "summary counts"),
+    (lambda t: t["summary"].update(target_forwards=1), "target forwards"),
+    (lambda t: t["steps"].append(dict(t["steps"][0], index=len(t["steps"]))),
+     "output tokens|only a run's last step"),
+    (lambda t: t["token_text"].pop(str(t["output"]["tokens"][-1])), "has no text"),
+    (lambda t: t["token_text"].pop(str(t["steps"][0]["tree"]["tokens"][-1])), "has no text"),
+    (lambda t: t["steps"][0].update(new_tokens=[1, 2, 3]), "not its accepted tokens"),
+    (lambda t: t["steps"][0]["tree"].update(tokens=["a"] * len(t["steps"][0]["tree"]["tokens"])),
+     "not a token id"),
+    (lambda t: t["summary"].update(speedup_spread=[2.0, 1.0]), "speedup_spread"),
+    (cut_an_early_step, "only a run's last step is cut"),
+], ids=["tokens", "forwards", "extra-step", "output-text", "tree-text", "new-tokens", "str-token", "spread",
+        "cut-early"])
+def test_an_inconsistent_trace_is_refused_on_export_and_on_load(beam_trace, tmp_path, break_it, expect):
+    broken = json.loads(json.dumps(beam_trace))
+    break_it(broken)
+    with pytest.raises(TraceError, match=expect):
+        runner.export_trace(broken, folder=tmp_path)
+    assert not list((tmp_path / "traces").glob("*.json"))              # nothing written
+    path = tmp_path / "broken.json"
+    path.write_text(json.dumps(broken))
+    with pytest.raises(TraceError, match=expect):
+        load_trace(path)
+
+
+def test_every_partial_and_revealed_trace_keeps_the_invariant(rt, beam_trace):
+    for update in runner.run(rt, "def f(x):\n", {"drafter": runner.ORACLE, "tree": "beam", "max_new_tokens": 40}):
+        if isinstance(update, dict):        # None: a heartbeat; str: a status line
+            validate_trace(update)
+    for n in range(len(beam_trace["steps"]) + 1):
+        validate_trace(runner.reveal(beam_trace, n))
+
+
 def test_export_writes_a_random_name_that_replays(ex, beam_trace):
-    button, status = ex.on_export(beam_trace)
-    path = Path(button.value if isinstance(button.value, str) else button.value["path"])
+    file, status = ex.on_export(beam_trace)
+    path = Path(file)
     assert re.fullmatch(r"trace-[0-9a-f]{32}\.json", path.name) and "Trace ready" in status
     assert str(path).startswith(os.environ["GRADIO_TEMP_DIR"])
     assert load_trace(path) == json.loads(json.dumps(beam_trace))
     out = drain(ex.on_upload(str(path)))[-1]
     assert "loaded model" in out[0] and out[9]["output"] == beam_trace["output"]
-    button, status = ex.on_export(None)
-    assert status.startswith(ERROR)
+    assert path.exists(), "an exported trace is not an upload: replaying it keeps it"
+    file, status = ex.on_export(None)
+    assert file is None and status.startswith(ERROR)
 
 
 def test_controls_stay_consistent(ex):
@@ -326,10 +420,186 @@ def test_stop_redraws_the_kept_partial_trace(ex, beam_trace):
     assert out[1].count('class="tok tok-') == len(beam_trace["output"]["tokens"])
     out = ex.on_stop(beam_trace, 2)                                   # in step mode: what was revealed
     assert out[1].count('class="tok tok-') == len(runner.reveal(beam_trace, 2)["output"]["tokens"])
-    assert "after 0 steps" in ex.on_stop(None, None)[0]
+    assert "before the first step" in ex.on_stop(None, None)[0]
+
+
+def test_a_new_run_or_step_decode_clears_the_kept_trace_once_its_input_is_checked(ex, beam_trace):
+    """Stop during the AR measurement (or a Step's background decode) must not keep the previous run."""
+    values = control_values(ex.runtime, drafter=runner.ORACLE, max_new_tokens=4)
+    for gen in (ex.on_run("def g():", *values), ex.on_step("def g():", beam_trace, 3, *values)):
+        first = next(gen)
+        gen.close()
+        assert first[9] is None and first[10] is None
+    bad = drain(ex.on_run("", *values))[-1]                        # refused input keeps the trace
+    assert bad[9] == gr.skip() and bad[10] == gr.skip()
 
 
 def test_reset_clears_every_view(ex):
     out = ex.on_reset()
     assert out[0] == "Ready." and out[9] is None and out[10] is None
     assert "No run yet" in out[1] and out[-1].visible is False
+
+
+def test_handlers_take_named_parameters(ex):
+    import inspect
+    run_params = inspect.signature(ex.on_run).parameters
+    assert list(run_params) == ["prompt", *CONTROLS]
+    assert list(inspect.signature(ex.on_step).parameters) == ["prompt", "trace", "cursor", *CONTROLS]
+    for name in CONTROLS:     # one set of defaults: the page's
+        expected = None if name in ("drafter", "paths") else CONTROL_DEFAULTS[name]
+        assert run_params[name].default == expected, name
+
+
+def test_the_kept_trace_is_a_snapshot_that_later_steps_cannot_change(rt, beam_trace):
+    """A producer that keeps appending to a list it already yielded must not change the kept trace."""
+    def leaky(prompt, settings):
+        partial = runner.reveal(beam_trace, 3)
+        yield partial
+        partial["steps"].append(beam_trace["steps"][3])      # the list the page keeps, if it kept it
+        yield None
+        yield runner.reveal(beam_trace, 5)
+
+    outs = drain(Explorer(rt, leaky).on_run("def f(x):", *control_values(rt, drafter=runner.ORACLE)))
+    kept = [o[9] for o in outs if isinstance(o[9], dict) and "steps" in o[9]]
+    assert [len(t["steps"]) for t in kept] == [3, 5, 5]
+    for trace in kept:
+        validate_trace(trace)
+
+
+def test_heartbeats_become_empty_updates_and_a_cancel_stops_within_one_step(rt):
+    """Gradio cancels a generator between yields: one yield per engine step bounds Stop to one step."""
+    pulled, closed = [], []
+
+    def counting(prompt, settings):
+        try:
+            for update in runner.run(rt, prompt, settings):
+                pulled.append(update)
+                yield update
+        finally:
+            closed.append(len(pulled))
+
+    gen = Explorer(rt, counting).on_run("def f(x):\n", *control_values(rt, drafter=runner.ORACLE,
+                                                                         max_new_tokens=200))
+    outs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        for out in gen:
+            outs.append(out)
+            if len(outs) == 25:
+                break
+        gen.close()                                            # what Gradio's cancel does
+    assert closed == [len(pulled)], "the engine's generator is closed with the page's"
+    assert len(pulled) == len(outs) - 1, "one engine yield (step or heartbeat) per page update"
+    skips = [o for o in outs if all(v == gr.skip() for v in o)]
+    assert len(skips) == sum(u is None for u in pulled)
+    kept = last_trace(outs)
+    validate_trace(kept)
+    assert 0 < kept["summary"]["new_tokens"] < 200
+    load_trace(runner.export_trace(kept))
+
+
+def test_replay_restores_the_prompt_and_every_setting(ex, rt, tmp_path):
+    prompt = "class Point:\n    def __init__(self, x, y):\n"
+    settings = dict(drafter=runner.ORACLE, oracle_alpha=0.6, tree="beam", top_k=3, block_size=5, depth=4, budget=10,
+                    prune_tau=2.5, mode="hybrid", deferred=False, temperature=0.5, top_p=0.9, max_new_tokens=12,
+                    seed=7)
+    trace = last_trace(run(ex, prompt, **settings))
+    out = drain(ex.on_upload(str(runner.export_trace(trace, folder=tmp_path))))[-1]
+    assert len(out) == N_REPLAY
+    assert "every setting are restored" in out[0] and "except" not in out[0]
+    assert out[N_VIEWS] == prompt
+    shown = dict(zip(CONTROLS, out[N_VIEWS + 1:N_VIEWS + 1 + len(CONTROLS)]))
+    values = {name: getattr(v, "value", v) for name, v in shown.items()}
+    assert values == dict(settings, paths="")
+    assert shown["oracle_alpha"].visible is True
+    assert "chain" not in [c[0] for c in shown["mode"].choices]      # a beam tree cannot be verified as a chain
+    # what does not fit the page is said, and set to the nearest value the page allows
+    odd = dict(trace, settings=dict(trace["settings"], drafter="medusa", max_new_tokens=4000,
+                                    paths=[[0], [1], [0, 0]]))
+    path = tmp_path / "odd-settings.json"
+    path.write_text(json.dumps(odd))
+    out = drain(ex.on_upload(str(path)))[-1]
+    assert "its drafter 'medusa' is not loaded here" in out[0]
+    assert "max new tokens 4000 is outside this page's range" in out[0]
+    values = dict(zip(CONTROLS, out[N_VIEWS + 1:]))
+    assert values["max_new_tokens"] == ex.control_range("max_new_tokens")[1]
+    assert json.loads(values["paths"]) == [[0], [1], [0, 0]] and "3 nodes" in out[-1]
+
+
+def test_a_truncated_last_step_says_why_and_counts_are_plural(ex):
+    outs = run(ex, "def add(a, b):\n", oracle_alpha=1.0, budget=8, max_new_tokens=3)
+    trace = last_trace(outs)
+    assert outs[-1][0].startswith("**Done**: 3 tokens in 1 step ")
+    step = F.step_html(trace, 0)
+    assert "→ 3 new tokens" in step and "Cut to 3 tokens: this step reached max new tokens (3)" in step
+    outs = run(ex, "def add(a, b):\n", oracle_alpha=1.0, budget=8, max_new_tokens=1)
+    assert outs[-1][0].startswith("**Done**: 1 token in 1 step ")
+    assert "→ 1 new token ·" in F.step_html(last_trace(outs), 0)
+    eos_cut = {"steps": [{"accepted_tokens": [5, 0, 7], "bonus": 9, "new_tokens": [5, 0]}],
+               "model": {"config": {"eos_token_id": 0}}, "settings": {"max_new_tokens": 64}}
+    assert F.truncation(eos_cut, 0).startswith("Cut to 2 tokens: the end-of-text token ends the run, so the "
+                                               "2 more tokens verified after it are not kept")
+
+
+def test_commit_and_phase_plots_clip_an_outlier_and_mark_it(beam_trace):
+    trace = json.loads(json.dumps(beam_trace))
+    for i, step in enumerate(trace["steps"]):
+        step["times_ms"]["commit"] = 23.0 if i == 2 else 0.1 + 0.01 * i
+    fig = F.commit_figure(trace)
+    assert fig.layout.yaxis3.range[1] < 23.0
+    marks = by_name(fig, "▲ bar above the axis")
+    assert list(marks.x) == [trace["steps"][2]["index"]] and list(marks.text) == ["23.0 ms"]
+    plain = F.commit_figure(beam_trace)
+    assert not [d for d in plain.data if (d.name or "").startswith("▲")] and plain.layout.yaxis3.range is None
+    trace["steps"][1]["times_ms"]["verify"] = 500.0
+    fig = F.speedup_figure(trace)
+    assert list(by_name(fig, "▲ bar above the axis").x) == [trace["steps"][1]["index"]]
+    assert fig.layout.yaxis4.range[1] < 500
+
+
+def test_token_labels_are_escaped_exactly_once(beam_trace):
+    trace = json.loads(json.dumps(beam_trace))
+    tokens = trace["steps"][0]["tree"]["tokens"]
+    texts = ['"""', "a&b", "<b>x", "it's"]
+    for token, text in zip(tokens, texts):
+        trace["token_text"][str(token)] = text
+    fig = F.tree_figure(trace, 0)
+    nodes = by_name(fig, "drafted node")
+    labels = dict(zip(nodes.customdata, nodes.text))
+    # plotly reads &amp; &lt; &gt; back into characters, but shows &quot; and &#x27; as they are
+    assert [labels[i] for i in range(len(texts)) if i < len(tokens)] == ['"""', "a&amp;b", "&lt;b&gt;x", "it's"][
+        :len(tokens)]
+    assert "&quot;" not in json.dumps(fig.to_plotly_json()) and "&#x27;" not in json.dumps(fig.to_plotly_json())
+    assert "&quot;" not in F.step_html(trace, 0) and "&amp;amp;" not in F.step_html(trace, 0)
+
+
+def test_speedup_spread_is_shown_when_the_trace_has_it(ex, beam_trace):
+    trace = dict(beam_trace, summary=dict(beam_trace["summary"], speedup_spread=[1.1, 1.3]))
+    assert "alternating runs: 1.10× to 1.30×" in ex.summary_md(trace)
+    assert "1.10× to 1.30× over alternating runs" in F.speedup_figure(trace).layout.title.text
+    assert "alternating" not in ex.summary_md(beam_trace)
+
+
+def test_uploads_in_the_temp_folder_are_deleted_once_read(ex, beam_trace):
+    temp = Path(os.environ["GRADIO_TEMP_DIR"]) / "upload-test-0123456789"
+    for data, expect in ((json.dumps(beam_trace).encode(), "Replaying"), (b"{broken", ERROR)):
+        temp.mkdir(parents=True, exist_ok=True)
+        upload = temp / "trace.json"
+        upload.write_bytes(data)
+        assert expect in drain(ex.on_upload(str(upload)))[-1][0]
+        assert not upload.exists() and not temp.exists()
+
+
+def test_exported_traces_on_disk_stay_bounded(beam_trace, tmp_path):
+    folder = runner.export_folder(tmp_path)
+    folder.mkdir(parents=True)
+    now = time.time()
+    for i in range(runner.EXPORT_KEEP + 10):
+        old = folder / f"trace-{i:032x}.json"
+        old.write_text("{}")
+        age = runner.EXPORT_MAX_AGE_S + 60 if i < 5 else i      # five expired, the rest recent
+        os.utime(old, (now - age, now - age))
+    path = runner.export_trace(beam_trace, folder=tmp_path)
+    left = sorted(folder.glob("trace-*.json"))
+    assert path in left and len(left) == runner.EXPORT_KEEP
+    assert not any((folder / f"trace-{i:032x}.json").exists() for i in range(5))
