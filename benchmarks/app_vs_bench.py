@@ -134,13 +134,14 @@ def main(argv: list[str] | None = None) -> int:
                 "app_engine": traces[0].get("engine"), "app_exactness": [t.get("exactness") for t in traces],
                 "seconds_to_first_step": latency}
             print(f"[app] {name}: speedup {median(result['cases'][name]['app_speedups']):.2f}x", flush=True)
+            bench_case(result, name, texts, args)
             save(args.out, result)
         result["two_sessions"] = two_sessions(f"http://127.0.0.1:{port}/", read_prompts(args.prompts, 2), args.tokens)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
     save(args.out, result)
-    bench_side(result, texts, cases, args)
+    bench_rest(result, texts, args)
     save(args.out, result)
     print(json.dumps({k: {kk: vv for kk, vv in v.items() if not isinstance(vv, list)}
                       for k, v in result["cases"].items()}, indent=1))
@@ -171,41 +172,54 @@ def two_sessions(url: str, texts: list[str], tokens: int) -> dict:
             "distinct_outputs": got[0]["output"]["tokens"] != got[1]["output"]["tokens"]}
 
 
-def bench_side(result: dict, texts: list[str], cases: list[str], args) -> None:
-    """The bench's pair rows for the same cases (runner.run in this process), and GraphedAR."""
+_BENCH: dict = {}
+
+
+def bench_runtime():
+    """The bench's runtime, loaded once in this process (beside the app's server process)."""
+    from specla import runner
+
+    if "runtime" not in _BENCH:
+        _BENCH["runtime"] = runner.load_runtime()
+    return _BENCH["runtime"]
+
+
+def bench_case(result: dict, name: str, texts: list[str], args) -> None:
+    """The bench's pair row for one case (runner.run in this process), right after the app's."""
+    from specla.bench.e2e import pair_row
+
+    row = pair_row(bench_runtime(), texts, dict(CASES[name], max_new_tokens=args.tokens))
+    case = result["cases"][name]
+    case["bench_speedup"] = row["speedup"]
+    case["bench_speedups"] = row["speedup_per_prompt"]
+    case["bench_ar_tokens_per_s"] = 1e3 / row["ar_ms_per_token"]["median"]
+    case["bench_tau"] = row["tau"]
+    case["app_over_bench_speedup"] = median(case["app_speedups"]) / row["speedup"]
+    case["app_ar_over_bench_ar"] = median(case["app_ar_tokens_per_s"]) / case["bench_ar_tokens_per_s"]
+    case["within_10_percent"] = abs(case["app_over_bench_speedup"] - 1) <= 0.10
+    case["bench_split_ms_per_step"] = row["time_split_ms_per_step"]
+    case["bench_engine"] = row["engine"]
+    case["bench_exact"] = row["exact"]
+    print(f"[bench] {name}: speedup {row['speedup']:.2f}x, app / bench {case['app_over_bench_speedup']:.3f}",
+          flush=True)
+
+
+def bench_rest(result: dict, texts: list[str], args) -> None:
+    """GraphedAR measured directly, and the block chain with the target in fp32."""
     from specla import runner
     from specla.bench.e2e import pair_row
     from specla.decode import DecodeSettings
 
-    runtime = runner.load_runtime()
-    for name in cases:
-        if "app_speedups" not in result["cases"].get(name, {}):
-            continue
-        row = pair_row(runtime, texts, dict(CASES[name], max_new_tokens=args.tokens))
-        case = result["cases"][name]
-        case["bench_speedup"] = row["speedup"]
-        case["bench_speedups"] = row["speedup_per_prompt"]
-        case["bench_ar_tokens_per_s"] = 1e3 / row["ar_ms_per_token"]["median"]
-        case["bench_tau"] = row["tau"]
-        case["app_over_bench_speedup"] = median(case["app_speedups"]) / row["speedup"]
-        case["app_ar_over_bench_ar"] = median(case["app_ar_tokens_per_s"]) / case["bench_ar_tokens_per_s"]
-        case["within_10_percent"] = abs(case["app_over_bench_speedup"] - 1) <= 0.10
-        case["bench_split_ms_per_step"] = row["time_split_ms_per_step"]
-        case["bench_engine"] = row["engine"]
-        case["bench_exact"] = row["exact"]
-        save(args.out, result)
-    # the same block chain with the target in fp32 (whether fp32 costs little on a GPU)
-    fp32 = runner.load_runtime(dtype="fp32")
-    result["fp32_block_chain"] = pair_row(fp32, texts, dict(CASES["block chain"], max_new_tokens=args.tokens))
+    runtime = bench_runtime()
     engine = runtime.engine
-    rates = []
-    for text in texts:
-        tokens = runtime.encode(text)
-        rates.append(1e3 / engine.ar(tokens, DecodeSettings(max_new_tokens=args.tokens), repeats=3).ms_per_token)
+    rates = [1e3 / engine.ar(runtime.encode(text), DecodeSettings(max_new_tokens=args.tokens), repeats=3).ms_per_token
+             for text in texts]
     result["graphed_ar_tokens_per_s"] = median(rates)
     result["backend"] = engine.backend
     for case in result["cases"].values():
         case["app_ar_over_graphed_ar"] = median(case["app_ar_tokens_per_s"]) / result["graphed_ar_tokens_per_s"]
+    fp32 = runner.load_runtime(dtype="fp32")
+    result["fp32_block_chain"] = pair_row(fp32, texts, dict(CASES["block chain"], max_new_tokens=args.tokens))
 
 
 if __name__ == "__main__":

@@ -140,13 +140,13 @@ def device_sampling_chi2(kind: str, shape: str, device: str) -> tuple[float, flo
     target = random_target(vocab=6, hidden=32, heads=2, head_dim=8, std=0.6, seed=5)
     prompt, n = [1, 2, 3], 1500
     expected = exact_two_token_distribution(target, prompt, 1.0)
+    target = target.to(device)            # before the drafter: it borrows the target's embedding
     torch.manual_seed(0)
     if kind == "block":
         drafter = new_drafter(kind, target, top_k=2, feature_layers=(0, 1), block_size=4, width=16, heads=2,
                               mlp_hidden=32, window=8)
     else:
         drafter = new_drafter(kind, target, top_k=2, heads=2, mlp_hidden=32, window=8)
-    target = target.to(device)
     # head_dim 8 is below what the Triton verify kernels take: the torch recurrence on the GPU
     engine = Engine(target, "graphed", use_graph=None if device == "cuda" else False,
                     recurrence="torch" if device == "cuda" else "kernels")
