@@ -81,8 +81,9 @@ Exact speculative decoding for Gated DeltaNet, one step at a time. A **drafter**
 chain or tree of tokens; the **target** verifies the whole tree in one forward pass from its
 recurrent state; the longest path that matches the target is kept, **plus one bonus token**
 the target adds itself; the state is then rebuilt from small per-token **factors**, never from
-a rejected token. At temperature 0 the text equals plain autoregressive (AR) decoding token
-for token; only the speed differs, and it is measured against AR in the same run."""
+a rejected token. At temperature 0 the text is plain autoregressive (AR) decoding's: in fp32
+token for token; in bf16 on a GPU the two paths round differently, so a near-tie can flip, and
+the summary says where and by what logit gap. The speed is measured against AR in the same run."""
 
 
 def load_examples(path: Path = EXAMPLES_FILE) -> tuple[list[list[str]], list[str] | None]:
@@ -280,11 +281,41 @@ class Explorer:
                 line += f" (alternating runs: {spread[0]:.2f}× to {spread[1]:.2f}×)"
             line += f", measured in this run on {hw}"
         times = s.get("time_ms") or {}
-        line += " · time: " + ", ".join(f"{k} {v:.1f} ms" for k, v in times.items())
-        if m.get("device") == "cpu":
-            line += ("  \n*On CPU the target runs plain-torch reference recurrences (no fused kernels, no "
-                     "CUDA graphs): speedups here show the mechanics; the GPU path is built for speed.*")
-        return line
+        steps = max(1, s.get("target_forwards", 1))
+        line += " · time per step: " + ", ".join(f"{k} {v / steps:.3f} ms" for k, v in times.items() if v)
+        return line + self.engine_md(trace) + self.exactness_md(trace)
+
+    @staticmethod
+    def engine_md(trace: dict) -> str:
+        """Which backend ran the run, where drafting and acceptance ran, and why not on the device."""
+        e, m = trace.get("engine") or {}, trace.get("model") or {}
+        if not e:
+            return ""
+        if e.get("backend") == "graphed":
+            how = (f"  \n*Engine: CUDA graphs ({html.escape(str(e.get('ops', '')))}, {e.get('dtype')}), drafting "
+                   f"on the {'device' if e.get('drafting') == 'device' else 'host'}, acceptance on the "
+                   f"{e.get('acceptance')}; {e.get('graphs', 0)} graphs, set-up {e.get('capture_ms', 0) / 1e3:.1f} s "
+                   "(capture and compile, not timed). Step times are CUDA events.*")
+        else:
+            how = ("  \n*Engine: eager PyTorch" + (" on the CPU: plain-torch reference recurrences, no fused kernels "
+                   "or CUDA graphs; speedups here show the mechanics" if m.get("device") == "cpu" else "") + ".*")
+        if e.get("note"):
+            how += f"  \n*Not all on the device: {html.escape(str(e['note']))}.*"
+        return how
+
+    @staticmethod
+    def exactness_md(trace: dict) -> str:
+        """Whether the output equals AR's, and where and by what logit gap it leaves it."""
+        x = trace.get("exactness") or {}
+        if not x.get("checked"):
+            return ""
+        if x.get("equal"):
+            return f"  \nOutput equals AR's, token for token ({x.get('compared_tokens')} tokens compared, {x.get('dtype')})."
+        d = x.get("first_divergence") or {}
+        verdict = ("a near-tie: within twice the measured rounding noise between the two paths"
+                   if d.get("near_tie") else "**beyond the measured rounding noise: please report it**")
+        return (f"  \nOutput leaves AR's at token {d.get('position')} ({x.get('dtype')}): AR's logit gap between "
+                f"its token and this one is {d.get('logit_gap', 0):.4f} (noise {d.get('noise', 0):.4f}), {verdict}.")
 
     def _status(self, trace: dict, settings: dict, done: bool) -> str:
         s = trace.get("summary") or {}

@@ -603,3 +603,19 @@ def test_exported_traces_on_disk_stay_bounded(beam_trace, tmp_path):
     left = sorted(folder.glob("trace-*.json"))
     assert path in left and len(left) == runner.EXPORT_KEEP
     assert not any((folder / f"trace-{i:032x}.json").exists() for i in range(5))
+
+
+def test_summary_names_the_engine_and_says_where_the_output_leaves_ar(ex, beam_trace):
+    """The summary says which backend ran and why a part ran on the host, and shows a bf16
+    divergence with its logit gap instead of claiming equality."""
+    trace = dict(beam_trace, engine={"backend": "graphed", "drafting": "host", "acceptance": "host",
+                                     "note": "a tree preset (device drafters grow chains)", "ops": "fla fused kernels",
+                                     "dtype": "bfloat16", "graphs": 3, "capture_ms": 1500.0},
+                 exactness={"checked": True, "equal": False, "compared_tokens": 20, "dtype": "bfloat16",
+                            "first_divergence": {"position": 7, "logit_gap": 0.0123, "noise": 0.02, "near_tie": True}})
+    text = ex.summary_md(trace)
+    assert "CUDA graphs" in text and "drafting on the host" in text and "a tree preset" in text
+    assert "leaves AR's at token 7" in text and "0.0123" in text and "near-tie" in text
+    assert "equals AR" in ex.summary_md(dict(beam_trace, exactness={"checked": True, "equal": True,
+                                                                    "compared_tokens": 20, "dtype": "float32"}))
+    assert "eager PyTorch" in ex.summary_md(beam_trace)
