@@ -229,9 +229,9 @@ def load_runtime(model: str | None = None, drafters: str | None = None,
 
     Without a model in assets/ (and none given), a tiny random demo runtime is returned
     with a note saying so. The oracle drafter is always offered, labelled as measurement.
-    dtype: bf16 | fp32 | auto (fp32 on the CPU, bf16 on a GPU: on the H200 fp32 made the
-    embedded model's verification 1.9x slower, benchmarks/results/h200/session7/). backend:
-    the engine's (auto: CUDA graphs on a GPU).
+    dtype: bf16 | fp32 | auto (fp32 on the CPU, bf16 on a GPU, where fp32 is not free even
+    for a launch-bound model: benchmarks/results/h200/session7/). backend: the engine's
+    (auto: CUDA graphs on a GPU).
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dtype not in ("auto", *DTYPES):
