@@ -94,6 +94,7 @@ class Engine:
         self._decoders: collections.OrderedDict = collections.OrderedDict()
         self.capture_ms = 0.0             # graph captures and compiles of the last decode's decoder
         self.graphs = 0                   # CUDA graphs behind the last decode
+        self._failures: dict[tuple, str] = {}   # settings whose device drafter failed: drafted on the host
 
     @property
     def dtype(self) -> torch.dtype:
@@ -173,7 +174,8 @@ class Engine:
             return Plan("eager", "eager", "eager")
         from specla.graphs.drafters import device_drafter_for
 
-        why = _device_blocker(drafter, settings, draft_settings)
+        why = _device_blocker(drafter, settings, draft_settings) or self._failures.get(
+            self._key(drafter, settings, draft_settings))
         if why is None:
             dev, why = device_drafter_for(drafter, _draft_settings(settings, draft_settings), compile=False,
                                           fused_head=False, check_only=True)
@@ -215,19 +217,23 @@ class Engine:
         ds = _draft_settings(settings, draft_settings)
         capacity = _capacity(settings.max_new_tokens)
         plan = self.plan(drafter, settings, draft_settings)
-        net = getattr(getattr(drafter, "inner", drafter), "net", None)
-        key = (plan.drafting, type(drafter).__name__, id(net) if net is not None else id(drafter),
-               dataclasses.astuple(ds), settings.mode, settings.deferred, capacity,
-               settings.temperature, settings.top_p, _preset_size(drafter))
+        key = (plan.drafting,) + self._key(drafter, settings, draft_settings)
         dec = self._decoders.get(key)
         start = time.perf_counter()
         if dec is None:
             sampling = (Sampling(settings.temperature, settings.top_p, settings.seed)
                         if settings.temperature > 0 else None)
             if plan.drafting == "device":
-                dev, _ = device_drafter_for(drafter, ds, compile=self.compile_drafter, fused_head=self.fused_head)
-                dec = GraphedDecoder(self.packed, dev, ds, capacity, settings.deferred, settings.mode,
-                                     self.use_graph, self.recurrence, sampling=sampling)
+                try:
+                    dev, _ = device_drafter_for(drafter, ds, compile=self.compile_drafter,
+                                                fused_head=self.fused_head)
+                    dec = GraphedDecoder(self.packed, dev, ds, capacity, settings.deferred, settings.mode,
+                                         self.use_graph, self.recurrence, sampling=sampling)
+                except Exception as err:  # noqa: BLE001 - a draft that does not capture still runs
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    self._failures[key[1:]] = f"the device drafter did not build or capture ({type(err).__name__}: {err})"
+                    return self.decoder(drafter, settings, draft_settings)
             else:
                 dec = GraphedDecoder(self.packed, drafter, ds, capacity, settings.deferred, settings.mode,
                                      self.use_graph, self.recurrence, sampling=sampling,
@@ -243,6 +249,14 @@ class Engine:
         dec.plan = plan
         self.capture_ms = 1e3 * (time.perf_counter() - start)
         return dec
+
+    @staticmethod
+    def _key(drafter, settings: DecodeSettings, draft_settings: DraftSettings) -> tuple:
+        """What a captured decoder depends on besides where it drafts."""
+        net = getattr(getattr(drafter, "inner", drafter), "net", None)
+        return (type(drafter).__name__, id(net) if net is not None else id(drafter),
+                dataclasses.astuple(_draft_settings(settings, draft_settings)), settings.mode, settings.deferred,
+                _capacity(settings.max_new_tokens), settings.temperature, settings.top_p, _preset_size(drafter))
 
     def _graphed(self, prompt, drafter, settings, draft_settings, eos) -> Iterator[StepRecord]:
         from specla.drafters.oracle import OracleDrafter

@@ -514,10 +514,10 @@ def run(runtime: Runtime, prompt: str, settings: dict | None = None) -> Iterator
     engine.ar(tokens, _decode_settings(s, runtime, min(4, s["max_new_tokens"])), eos)   # warm
     ar = engine.ar(tokens, decode, eos, repeats=3 if graphed else 1)
     drafter = _drafter_for_run(runtime, s, tokens, ar.tokens)
-    plan = engine.plan(drafter, decode, _draft_settings(s))
     if graphed:
         yield "Capturing the CUDA graphs for these settings (once per settings; not timed)…"
     capture_ms = _warm_speculation(engine, drafter, tokens, s, runtime, eos)
+    plan = engine.plan(drafter, decode, _draft_settings(s))      # after the build: a failed capture shows
     model, record = runtime.model_info(), settings_record(s)
     engine_info = {"backend": plan.backend, "drafting": plan.drafting, "acceptance": plan.acceptance,
                    "note": plan.note, "ops": engine.ops_note, "dtype": model["dtype"],

@@ -218,3 +218,25 @@ def test_device_sampling_follows_the_target_distribution_cuda(kind, shape):
     graphs (torch's CUDA generator inside the graphs)."""
     chi2, critical = device_sampling_chi2(kind, shape, "cuda")
     assert chi2 < critical, f"chi2={chi2:.1f} >= {critical:.1f}"
+
+
+def test_a_device_drafter_that_fails_falls_back_to_host_drafting(cpu_pair, monkeypatch):
+    """A device drafter that does not build or capture: the decode still runs, drafting on the
+    host, and the plan says why."""
+    import specla.graphs.drafters as device_drafters
+
+    target, drafters, prompts = cpu_pair
+
+    def broken(*args, **kwargs):
+        if kwargs.get("check_only"):
+            return None, None
+        raise RuntimeError("no capture today")
+
+    monkeypatch.setattr(device_drafters, "device_drafter_for", broken)
+    graphed, eager = Engine(target, "graphed", use_graph=False), Engine(target, "eager")
+    settings = DecodeSettings(max_new_tokens=16)
+    assert graphed.plan(drafters["block"], settings, SHAPES["chain"]).drafting == "device"
+    out = [t for r in graphed.speculate(prompts[0], drafters["block"], settings, SHAPES["chain"]) for t in r.new_tokens]
+    assert out == eager.ar(prompts[0], settings).tokens
+    plan = graphed.plan(drafters["block"], settings, SHAPES["chain"])
+    assert plan.drafting == "host" and "no capture today" in plan.note
