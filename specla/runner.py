@@ -528,6 +528,9 @@ def run(runtime: Runtime, prompt: str, settings: dict | None = None) -> Iterator
                                decode=runtime.decode, seconds=seconds, baseline=baseline)
         trace["engine"] = dict(engine_info, graphs=engine.graphs)
         trace.update(extra)
+        spread = (extra.get("timing") or {}).get("speedup_spread")
+        if spread:
+            trace["summary"]["speedup_spread"] = spread
         return trace
 
     baseline = _baseline(ar.ms_per_token, len(ar.tokens), ar.runs_ms_per_token)
