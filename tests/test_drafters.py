@@ -18,8 +18,9 @@ from specla.drafters import (DRAFTERS, DrafterFormatError, fingerprint_of, load_
                              save_drafter)
 from specla.drafters import tree_build
 from specla.drafters.base import Accepted, DraftContext, DraftSettings
-from specla.drafters.lilicorr import (HeadConfig, LiLiCorrHead, greedy_walk, lattice_losses,
-                                      sampled_walk)
+from specla.drafters.block import BlockDrafter
+from specla.drafters.lilicorr import (SCORINGS, HeadConfig, LiLiCorrHead, greedy_walk, lattice_losses,
+                                      sampled_walk, tree_rows)
 from specla.model import GDNForCausalLM, Topology
 
 
@@ -133,6 +134,44 @@ def test_lilicorr_chain_is_the_greedy_walk(target, prompt):
     assert draft.tree.tokens[1:] == [lat["candidates"][s][chosen[s]] for s in range(S)]
     assert draft.tree.is_chain and draft.proposal is None
     json.dumps(draft.details)  # JSON-able for the views
+
+
+def test_tree_rows_keep_the_drafter_mass_and_reduce_to_known_rows():
+    torch.manual_seed(0)
+    S, k = 4, 3
+    start, pair = torch.randn(k) * 3, torch.randn(S - 1, k, k) * 3
+    cand_logp = torch.log_softmax(torch.randn(S, 20), -1).topk(k, -1).values
+    mass = torch.logsumexp(cand_logp, -1)
+    marginal = (cand_logp - mass[:, None])[1:, None, :].expand(S - 1, k, k)
+    rows = {(sc, w): tree_rows(start, pair, cand_logp, sc, w) for sc in SCORINGS for w in (0.0, 0.5, 1.0)}
+    root, below = rows[("pair", 1.0)]
+    assert torch.allclose(root, torch.log_softmax(start, -1))
+    assert torch.allclose(below, torch.log_softmax(pair, -1))
+    for scoring in ("pair-mass", "poe", "mixture"):          # every row sums to the lattice mass
+        root, below = rows[(scoring, 0.5)]
+        assert torch.allclose(torch.logsumexp(root, -1), mass[0], atol=1e-5)
+        assert torch.allclose(torch.logsumexp(below, -1), mass[1:, None].expand(S - 1, k), atol=1e-5)
+    for scoring in ("poe", "mixture"):                       # weight 0: the drafter's marginals
+        root, below = rows[(scoring, 0.0)]
+        assert torch.allclose(root, cand_logp[0], atol=1e-5)
+        assert torch.allclose(below, marginal + mass[1:, None, None], atol=1e-5)
+    assert torch.allclose(rows[("mixture", 1.0)][1], rows[("pair-mass", 1.0)][1], atol=1e-5)
+    with pytest.raises(ValueError, match="tree scoring must be one of"):
+        tree_rows(start, pair, cand_logp, "viterbi", 1.0)
+
+
+def test_lilicorr_trees_at_weight_zero_are_the_block_drafter_trees(target, prompt):
+    """A product of experts with weight 0 leaves only the block drafter's marginals: the tree
+    equals the block drafter's own over the same net; the chain stays the head's walk."""
+    lili = started("lilicorr", target, prompt)
+    block = BlockDrafter(lili.net, lili.parts)
+    block.ctx, block.ctx_kv = lili.ctx, lili.ctx_kv
+    settings = dict(tree="best-first", top_k=3, budget=10)
+    lili.tree_scoring, lili.tree_weight = "poe", 0.0
+    assert lili.propose(ctx(prompt, **settings)).tree.tokens == block.propose(ctx(prompt, **settings)).tree.tokens
+    walk = lili.propose(ctx(prompt, tree="chain", top_k=3)).details["lattice"]
+    chain = lili.propose(ctx(prompt, tree="chain", top_k=3)).tree.tokens
+    assert chain[1:] == [walk["candidates"][s][r] for s, r in enumerate(walk["chosen"])]
 
 
 def test_sampled_walk_q_is_a_distribution_on_the_candidates(target, prompt):
