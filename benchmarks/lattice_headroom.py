@@ -65,8 +65,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=32)
     ap.add_argument("--skip", type=int, default=0, help="skip the first N prompts")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--budget", type=int, default=32)
-    ap.add_argument("--top-k", default="4,8")
+    ap.add_argument("--configs", default="4:16,4:32,8:16,8:32", help="top_k:budget,... best-first trees")
     ap.add_argument("--scoring", default="pair-mass")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--name", default="lattice_headroom", help="output files <name>.json and <name>.md")
@@ -76,11 +75,12 @@ def main() -> None:
     prompts = read_prompts(args.prompts)[args.skip:args.skip + args.limit]
     tokenize = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     rows = []
-    for k in (int(x) for x in args.top_k.split(",")):
+    for config in args.configs.split(","):
+        k, budget = (int(x) for x in config.split(":"))
         drafter = load_drafter(ROOT / "assets" / "drafters" / "lilicorr", model)
         drafter.tree_scoring = args.scoring
-        settings = DraftSettings(tree="best-first", top_k=k, budget=args.budget, block_size=8)
-        row = {"top_k": k, "budget": args.budget, "scoring": args.scoring,
+        settings = DraftSettings(tree="best-first", top_k=k, budget=budget, block_size=8)
+        row = {"top_k": k, "budget": budget, "scoring": args.scoring,
                **headroom(model, tokenize, prompts, drafter, settings, args.max_new_tokens)}
         rows.append(row)
         print(row, flush=True)
