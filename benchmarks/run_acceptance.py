@@ -6,7 +6,9 @@
 Each configuration decodes every prompt of every set speculatively at temperature 0
 (verified against AR: `mismatching_prompts` must be 0) and reports tau (tokens per target
 forward, bonus included), the accept-length histogram and per-position acceptance. Writes
-acceptance.json and acceptance.md. A row is `drafter:tree:top_k:budget[:option=value...]`;
+acceptance.json and acceptance.md. With --speedup it times the eager loop on the CPU
+instead (`specla.bench.eager_pair_row`: AR and speculation alternate, each prompt
+--repeats times, the fastest run of each kept) and reports the speedup over AR. A row is `drafter:tree:top_k:budget[:option=value...]`;
 options: depth (EAGLE and n-gram), scoring and weight (LiLiCorr trees, see
 `specla.drafters.lilicorr.tree_rows`), max_ngram, min_ngram, order (n-gram).
 """
@@ -26,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from specla.acceptance import measure_acceptance, read_prompts  # noqa: E402
+from specla.bench import eager_pair_row  # noqa: E402
 from specla.checkpoint import load_model  # noqa: E402
 from specla.drafters import load_drafter  # noqa: E402
 from specla.drafters.base import DraftSettings  # noqa: E402
@@ -91,7 +94,11 @@ def main() -> None:
     ap.add_argument("--drafters", default=str(ROOT / "assets" / "drafters"),
                     help="folder with one sub-folder per trained drafter kind")
     ap.add_argument("--rows", nargs="+", default=ROWS, help="rows to run (see the module docstring)")
+    ap.add_argument("--speedup", action="store_true", help="time AR and speculation (CPU speedups)")
+    ap.add_argument("--repeats", type=int, default=3, help="with --speedup: runs per prompt and side")
     args = ap.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
     torch.set_num_threads(1)
     model, tokenizer, _ = load_model(ROOT / "assets" / "target")
     sets = {}
@@ -111,24 +118,32 @@ def main() -> None:
             if hasattr(drafter, "tree_scoring") and row["tree"] != "chain":
                 row["tree_scoring"] = {"scoring": drafter.tree_scoring, "weight": drafter.tree_weight}
             start = time.perf_counter()
-            result = measure_acceptance(model, tokenize, prompts, drafter, settings, args.max_new_tokens,
-                                        ar_cache=ar_cache)
+            if args.speedup:
+                result = eager_pair_row(model, [tokenize(p) for p in prompts],
+                                        lambda i, ref: make_drafter(row, model, Path(args.drafters)),
+                                        settings, args.max_new_tokens, args.repeats)
+                result["mismatching_prompts"] = result["exact"]["mismatching_prompts"]
+            else:
+                result = measure_acceptance(model, tokenize, prompts, drafter, settings,
+                                            args.max_new_tokens, ar_cache=ar_cache)
             result["seconds"] = round(time.perf_counter() - start, 1)
             row["sets"][name] = result
-            print(f"{row_name(row):>60} {name:>8}: tau={result['tau']:.3f} "
+            speed = f" speedup={result['speedup']:.2f}x" if args.speedup else ""
+            print(f"{row_name(row):>60} {name:>8}: tau={result['tau']:.3f}{speed} "
                   f"mismatches={result['mismatching_prompts']}", flush=True)
         rows.append(row)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT).stdout.strip()
     report = {"command": " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]), "commit": commit,
               "device": f"CPU ({platform.processor() or platform.machine()}), 1 thread",
               "sets": {name: len(p) for name, p in sets.items()}, "skip": args.skip,
               "max_new_tokens": args.max_new_tokens, "temperature": 0, "rows": rows}
+    if args.speedup:
+        report["repeats"] = args.repeats
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps(report, indent=1))
-    (out / f"{args.name}.md").write_text(render(report))
-    print(render(report))
+    text = render_speedup(report) if args.speedup else render(report)
+    (out / f"{args.name}.md").write_text(text)
+    print(text)
 
 
 def options_text(row: dict) -> str:
@@ -171,6 +186,30 @@ def render(report: dict) -> str:
             pos = ", ".join(f"{p:.2f}" for p in r["sets"][n]["per_position_acceptance"][:8])
             opts = options_text(r)
             lines.append(f"| {r['drafter']} | {r['tree']} | {r['top_k']} | {r['budget']} | {opts} | {pos} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_speedup(report: dict) -> str:
+    """The Markdown report of a --speedup run: tau, times and speedup per row and set."""
+    names = list(report["sets"])
+    lines = [f"# CPU speedup over AR, {report['max_new_tokens']} new tokens, temperature 0", "",
+             f"`{report['command']}` at commit {report['commit']}; {report['device']}; the eager loop "
+             f"(`specla.decode`), each prompt decoded {report['repeats']} times with AR and speculation "
+             "alternating, the fastest run of each kept; ms/token is the median over prompts, the "
+             "speedup the ratio of the medians; every run checked token for token against AR.", "",
+             "Prompt sets: " + ", ".join(f"{n} ({k} prompts)" for n, k in report["sets"].items()) + ".", "",
+             "| drafter | tree | top-k | budget | options | " + " | ".join(
+                 f"{n}: tau | ms/token | AR ms/token | speedup" for n in names) + " | mismatching prompts |",
+             "|---|---|---|---|---|" + "---|---|---|---|" * len(names) + "---|"]
+    for r in report["rows"]:
+        cells = []
+        for n in names:
+            x = r["sets"][n]
+            cells += [f"{x['tau']:.2f}", f"{x['ms_per_token']['median']:.2f}",
+                      f"{x['ar_ms_per_token']['median']:.2f}", f"{x['speedup']:.2f}x"]
+        bad = sum(r["sets"][n]["mismatching_prompts"] for n in names)
+        lines.append(f"| {r['drafter']} | {r['tree']} | {r['top_k']} | {r['budget']} | {options_text(r)} | "
+                     + " | ".join(cells) + f" | {bad} |")
     return "\n".join(lines) + "\n"
 
 
