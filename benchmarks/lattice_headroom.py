@@ -28,6 +28,7 @@ from specla.checkpoint import load_model  # noqa: E402
 from specla.decode import DecodeSettings, ar_generate, speculative_steps  # noqa: E402
 from specla.drafters import load_drafter  # noqa: E402
 from specla.drafters.base import DraftSettings  # noqa: E402
+from specla.drafters.lilicorr import TREE_SHARPNESS  # noqa: E402
 
 
 def oracle_prefix(candidates: list[list[int]], future: list[int]) -> int:
@@ -67,7 +68,7 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=0, help="skip the first N prompts")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--configs", default="4:16,4:32,8:16,8:32", help="top_k:budget,... best-first trees")
-    ap.add_argument("--scoring", default="pair-mass")
+    ap.add_argument("--sharpness", type=float, default=TREE_SHARPNESS, help="LiLiCorr tree sharpness")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--name", default="lattice_headroom", help="output files <name>.json and <name>.md")
     args = ap.parse_args()
@@ -79,9 +80,9 @@ def main() -> None:
     for config in args.configs.split(","):
         k, budget = (int(x) for x in config.split(":"))
         drafter = load_drafter(ROOT / "assets" / "drafters" / "lilicorr", model)
-        drafter.tree_scoring = args.scoring
+        drafter.tree_sharpness = args.sharpness
         settings = DraftSettings(tree="best-first", top_k=k, budget=budget, block_size=8)
-        row = {"top_k": k, "budget": budget, "scoring": args.scoring,
+        row = {"top_k": k, "budget": budget, "sharpness": args.sharpness,
                **headroom(model, tokenize, prompts, drafter, settings, args.max_new_tokens)}
         rows.append(row)
         print(row, flush=True)
@@ -97,10 +98,10 @@ def main() -> None:
              "tau: the run's accepted length + 1 per step; oracle tau: over the same steps, the "
              "longest prefix of the target's next tokens inside the lattice + 1 (no tree drawn from "
              "the lattice accepts more).", "",
-             "| top-k | best-first budget | scoring | steps | tau | oracle tau | mismatching prompts |",
+             "| top-k | best-first budget | sharpness | steps | tau | oracle tau | mismatching prompts |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['top_k']} | {r['budget']} | {r['scoring']} | {r['steps']} | {r['tau']:.3f} | "
+        lines.append(f"| {r['top_k']} | {r['budget']} | {r['sharpness']} | {r['steps']} | {r['tau']:.3f} | "
                      f"{r['oracle_tau']:.3f} | {r['mismatching_prompts']} |")
     (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

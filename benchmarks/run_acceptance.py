@@ -9,7 +9,7 @@ forward, bonus included), the accept-length histogram and per-position acceptanc
 acceptance.json and acceptance.md. With --speedup it times the eager loop on the CPU
 instead (`specla.bench.eager_pair_row`: AR and speculation alternate, each prompt
 --repeats times, the fastest run of each kept) and reports the speedup over AR. A row is `drafter:tree:top_k:budget[:option=value...]`;
-options: depth (EAGLE and n-gram), scoring and weight (LiLiCorr trees, see
+options: depth (EAGLE and n-gram), sharpness (LiLiCorr trees, see
 `specla.drafters.lilicorr.tree_rows`), max_ngram, min_ngram, order (n-gram).
 """
 from __future__ import annotations
@@ -39,18 +39,15 @@ ROWS = [
     "block:best-first:4:16", "block:best-first:4:32", "block:best-first:8:16", "block:best-first:8:32",
     "lilicorr:best-first:4:8", "lilicorr:best-first:4:16", "lilicorr:best-first:4:32",
     "lilicorr:best-first:8:16", "lilicorr:best-first:8:32", "lilicorr:beam:4:16",
-    "lilicorr:best-first:4:16:scoring=pair", "lilicorr:best-first:4:32:scoring=pair",
-    "lilicorr:best-first:4:16:scoring=poe:weight=0.5", "lilicorr:best-first:4:32:scoring=poe:weight=0.5",
-    "lilicorr:best-first:4:16:scoring=mixture:weight=0.5", "lilicorr:best-first:4:32:scoring=mixture:weight=0.5",
     "eagle:chain:1:6", "eagle:best-first:4:8", "eagle:best-first:4:16", "eagle:best-first:4:32",
     "ngram:chain:1:8:depth=8", "ngram:best-first:4:16:depth=8", "ngram:best-first:4:32:depth=16",
 ]
 SETS = "heldout=data/corpus/heldout_prompts.jsonl,editing=data/corpus/editing_prompts.jsonl"
-NUMBER_OPTIONS = {"depth": int, "weight": float, "max_ngram": int, "min_ngram": int}
+NUMBER_OPTIONS = {"depth": int, "sharpness": float, "max_ngram": int, "min_ngram": int}
 
 
 def parse_row(spec: str) -> dict:
-    """'lilicorr:best-first:4:16:scoring=poe:weight=0.5' -> a row description."""
+    """'lilicorr:best-first:4:16:sharpness=0.5' -> a row description."""
     parts = spec.split(":")
     if len(parts) < 4:
         raise SystemExit(f"row {spec!r}: expected drafter:tree:top_k:budget[:option=value...]")
@@ -68,10 +65,8 @@ def make_drafter(row: dict, model, drafters: Path):
     if row["drafter"] == "ngram":
         return NgramDrafter(model.config.vocab_size, **options)
     drafter = load_drafter(drafters / row["drafter"], model)
-    if "scoring" in options:
-        drafter.tree_scoring = options.pop("scoring")
-    if "weight" in options:
-        drafter.tree_weight = options.pop("weight")
+    if "sharpness" in options:
+        drafter.tree_sharpness = options.pop("sharpness")
     if options:
         raise SystemExit(f"options {sorted(options)} do not apply to the {row['drafter']} drafter")
     return drafter
@@ -115,8 +110,8 @@ def main() -> None:
         row["sets"] = {}
         for name, prompts in sets.items():
             drafter = make_drafter(row, model, Path(args.drafters))
-            if hasattr(drafter, "tree_scoring") and row["tree"] != "chain":
-                row["tree_scoring"] = {"scoring": drafter.tree_scoring, "weight": drafter.tree_weight}
+            if hasattr(drafter, "tree_sharpness") and row["tree"] != "chain":
+                row["tree_sharpness"] = drafter.tree_sharpness
             start = time.perf_counter()
             if args.speedup:
                 result = eager_pair_row(model, [tokenize(p) for p in prompts],
@@ -148,8 +143,8 @@ def main() -> None:
 
 def options_text(row: dict) -> str:
     text = ", ".join(f"{k}={v}" for k, v in row["options"].items())
-    if "tree_scoring" in row and "scoring" not in row["options"]:
-        text = f"scoring={row['tree_scoring']['scoring']} (default)" + (f", {text}" if text else "")
+    if "tree_sharpness" in row and "sharpness" not in row["options"]:
+        text = f"sharpness={row['tree_sharpness']} (default)" + (f", {text}" if text else "")
     return text
 
 

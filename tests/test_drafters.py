@@ -18,8 +18,7 @@ from specla.drafters import (DRAFTERS, DrafterFormatError, fingerprint_of, load_
                              save_drafter)
 from specla.drafters import tree_build
 from specla.drafters.base import Accepted, DraftContext, DraftSettings
-from specla.drafters.block import BlockDrafter
-from specla.drafters.lilicorr import (SCORINGS, HeadConfig, LiLiCorrHead, greedy_walk, lattice_losses,
+from specla.drafters.lilicorr import (HeadConfig, LiLiCorrHead, greedy_walk, lattice_losses,
                                       sampled_walk, tree_rows)
 from specla.model import GDNForCausalLM, Topology
 
@@ -136,42 +135,42 @@ def test_lilicorr_chain_is_the_greedy_walk(target, prompt):
     json.dumps(draft.details)  # JSON-able for the views
 
 
-def test_tree_rows_keep_the_drafter_mass_and_reduce_to_known_rows():
+def test_tree_rows_hand_worked_example():
+    """The example in tree_rows' docstring."""
+    cand_logp = torch.tensor([[0.6, 0.2], [0.3, 0.3]]).log()
+    start, pair = torch.tensor([0.0, math.log(3)]), torch.tensor([[[0.0, 0.0], [math.log(4), 0.0]]])
+    root, below = tree_rows(start, pair, cand_logp, sharpness=1.0)
+    assert torch.allclose(root.exp(), torch.tensor([0.2, 0.6]))
+    assert torch.allclose(below.exp(), torch.tensor([[[0.3, 0.3], [0.48, 0.12]]]))
+
+
+@pytest.mark.parametrize("sharpness", [0.5, 0.75, 1.0, 2.0])
+def test_tree_rows_keep_the_drafter_mass_and_the_head_order(sharpness):
     torch.manual_seed(0)
-    S, k = 4, 3
+    S, k = 5, 4
     start, pair = torch.randn(k) * 3, torch.randn(S - 1, k, k) * 3
     cand_logp = torch.log_softmax(torch.randn(S, 20), -1).topk(k, -1).values
     mass = torch.logsumexp(cand_logp, -1)
-    marginal = (cand_logp - mass[:, None])[1:, None, :].expand(S - 1, k, k)
-    rows = {(sc, w): tree_rows(start, pair, cand_logp, sc, w) for sc in SCORINGS for w in (0.0, 0.5, 1.0)}
-    root, below = rows[("pair", 1.0)]
-    assert torch.allclose(root, torch.log_softmax(start, -1))
-    assert torch.allclose(below, torch.log_softmax(pair, -1))
-    for scoring in ("pair-mass", "poe", "mixture"):          # every row sums to the lattice mass
-        root, below = rows[(scoring, 0.5)]
-        assert torch.allclose(torch.logsumexp(root, -1), mass[0], atol=1e-5)
-        assert torch.allclose(torch.logsumexp(below, -1), mass[1:, None].expand(S - 1, k), atol=1e-5)
-    for scoring in ("poe", "mixture"):                       # weight 0: the drafter's marginals
-        root, below = rows[(scoring, 0.0)]
-        assert torch.allclose(root, cand_logp[0], atol=1e-5)
-        assert torch.allclose(below, marginal + mass[1:, None, None], atol=1e-5)
-    assert torch.allclose(rows[("mixture", 1.0)][1], rows[("pair-mass", 1.0)][1], atol=1e-5)
-    with pytest.raises(ValueError, match="tree scoring must be one of"):
-        tree_rows(start, pair, cand_logp, "viterbi", 1.0)
+    root, below = tree_rows(start, pair, cand_logp, sharpness)
+    assert torch.allclose(torch.logsumexp(root, -1), mass[0], atol=1e-5)
+    assert torch.allclose(torch.logsumexp(below, -1), mass[1:, None].expand(S - 1, k), atol=1e-5)
+    assert torch.equal(root.argsort(), start.argsort())         # the head's order: the chain is its walk
+    assert torch.equal(below.argsort(-1), pair.argsort(-1))
+    with pytest.raises(ValueError, match="sharpness must be > 0"):
+        tree_rows(start, pair, cand_logp, 0.0)
 
 
-def test_lilicorr_trees_at_weight_zero_are_the_block_drafter_trees(target, prompt):
-    """A product of experts with weight 0 leaves only the block drafter's marginals: the tree
-    equals the block drafter's own over the same net; the chain stays the head's walk."""
+def test_lilicorr_tree_nodes_carry_their_tree_rows(target, prompt):
     lili = started("lilicorr", target, prompt)
-    block = BlockDrafter(lili.net, lili.parts)
-    block.ctx, block.ctx_kv = lili.ctx, lili.ctx_kv
-    settings = dict(tree="best-first", top_k=3, budget=10)
-    lili.tree_scoring, lili.tree_weight = "poe", 0.0
-    assert lili.propose(ctx(prompt, **settings)).tree.tokens == block.propose(ctx(prompt, **settings)).tree.tokens
-    walk = lili.propose(ctx(prompt, tree="chain", top_k=3)).details["lattice"]
-    chain = lili.propose(ctx(prompt, tree="chain", top_k=3)).tree.tokens
-    assert chain[1:] == [walk["candidates"][s][r] for s, r in enumerate(walk["chosen"])]
+    draft = lili.propose(ctx(prompt, tree="best-first", top_k=3, budget=10))
+    lat, tree = draft.details["lattice"], draft.tree
+    root, below = tree_rows(torch.tensor(lat["start"]), torch.tensor(lat["pair"]),
+                            torch.tensor(lat["logprobs"]), lili.tree_sharpness)
+    rank = [None] + [lat["candidates"][tree.depths[i] - 1].index(tree.tokens[i]) for i in range(1, len(tree))]
+    for i in range(1, len(tree)):
+        d, parent = tree.depths[i], tree.parents[i]
+        want = root[rank[i]] if d == 1 else below[d - 2, rank[parent], rank[i]]
+        assert tree.logprobs[i] == pytest.approx(float(want), abs=1e-5)
 
 
 def test_sampled_walk_q_is_a_distribution_on_the_candidates(target, prompt):

@@ -18,8 +18,8 @@ accepted position):
 Selection: at temperature 0 the greedy walk (start argmax, then the argmax of the row out of
 the previous pick; not Viterbi, since acceptance rewards a correct prefix); at temperature
 > 0 each slot is sampled from the softmax of its row, and q (on the k candidates) goes to
-the lossless rejection sampler. Trees: `tree_build` over conditional rows built from the
-block drafter's candidate log-probs and the head's scores (`tree_rows`, one of `SCORINGS`).
+the lossless rejection sampler. Trees: `tree_build` over `tree_rows`, the head's
+conditional rows at the block drafter's lattice mass.
 
 Training (jointly with the drafter): block CE + 0.25 lattice CE + 0.25 penalty, where the
 lattice CE runs along the true-token prefix (slot s counts while the true token is in the
@@ -187,47 +187,37 @@ def conditional_rows(start: torch.Tensor, pair: torch.Tensor, ranks: torch.Tenso
     return torch.stack(rows, dim=-2)
 
 
-SCORINGS = ("pair", "pair-mass", "poe", "mixture")
+# The head's rows are flattened a little for tree search: chosen among 0.5, 0.75 and 1 on
+# held-out prompts 33-64, apart from the 32 prompts the results report
+# (benchmarks/results/lilicorr_tree_variants_tuning.md).
+TREE_SHARPNESS = 0.75
 
 
-def tree_rows(start: torch.Tensor, pair: torch.Tensor, cand_logp: torch.Tensor, scoring: str,
-              weight: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Conditional log-probs for tree search: the root's children [k] and, per slot s >= 1,
-    the children of a parent of rank i at slot s-1 [S-1, k, k] (rows over the k candidates).
+def tree_rows(start: torch.Tensor, pair: torch.Tensor, cand_logp: torch.Tensor,
+              sharpness: float = TREE_SHARPNESS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Conditional log-probs for tree search: the root's children [k] and, for each slot
+    s >= 1, the children of a parent of rank i at slot s-1 [S-1, k, k].
 
-    start [k], pair [S-1, k, k] (the head's scores), cand_logp [S, k] (the block drafter's
-    log-probs of the candidates). With m_s = log of the lattice mass at slot s (the block
-    drafter's probability that slot s's true token is among its k candidates):
+        row(s, i) = m_s + log_softmax(sharpness * pair[s-1, i, :])     (start at s = 0)
 
-        pair        log_softmax(pair[i])                        the head's rows alone
-        pair-mass   m_s + log_softmax(weight * pair[i])         the head's rows (sharpened or
-                                                                flattened), at the drafter's mass
-        poe         m_s + log_softmax(cand_logp[s] + weight * pair[i])
-                    a product of experts: the drafter's marginal reweighted by the head
-        mixture     m_s + log((1 - weight) p_s + weight softmax(pair[i])), p_s = the marginal
-                    renormalised on the candidates
+    start [k] and pair [S-1, k, k] are the head's scores, cand_logp [S, k] the block
+    drafter's log-probs of the candidates, m_s = logsumexp(cand_logp[s]) its probability
+    that slot s's true token is among them. The head ranks the candidates given the
+    parent; the drafter's mass says how likely any of them is right at all, so a path
+    through a slot the drafter is unsure of scores low whatever the head says, and
+    best-first spends its nodes where they pay. Within a row the order is the head's, so
+    the chain (the first child at every depth) is the greedy walk.
 
-    Every row but 'pair' keeps the drafter's mass, so a slot the drafter is unsure of
-    scores low whatever the head says: best-first then spends nodes where they pay.
-    The root's row uses `start` in place of pair[i].
+    Example (k = 2, S = 2): cand_logp = log [[0.6, 0.2], [0.3, 0.3]], start = [0, ln 3],
+    pair[0] = [[0, 0], [ln 4, 0]], sharpness 1: the root's row is log [0.2, 0.6]; out of
+    rank 0 the row is log [0.3, 0.3], out of rank 1 log [0.48, 0.12].
     """
-    if scoring not in SCORINGS:
-        raise ValueError(f"LiLiCorr tree scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
-    logp = cand_logp.float()
+    if not sharpness > 0:
+        raise ValueError(f"LiLiCorr tree sharpness must be > 0, got {sharpness}")
     k = start.shape[-1]
     scores = torch.cat([start.float().expand(1, k, k), pair.float()], dim=0)  # [S, k_parent, k]
-    if scoring == "pair":
-        rows = torch.log_softmax(scores, -1)
-    else:
-        mass = torch.logsumexp(logp, -1)[:, None, None]                         # [S, 1, 1]
-        marginal = (logp - mass[:, :, 0])[:, None, :]                           # renormalised
-        if scoring == "pair-mass":
-            rows = mass + torch.log_softmax(weight * scores, -1)
-        elif scoring == "poe":
-            rows = mass + torch.log_softmax(marginal + weight * scores, -1)
-        else:
-            mixed = (1 - weight) * marginal.exp() + weight * torch.softmax(scores, -1)
-            rows = mass + mixed.clamp_min(1e-30).log()
+    mass = torch.logsumexp(cand_logp.float(), -1)[:, None, None]
+    rows = mass + torch.log_softmax(sharpness * scores, -1)
     return rows[0, 0], rows[1:]
 
 
@@ -288,19 +278,16 @@ def lattice_losses(start: torch.Tensor, pair: torch.Tensor, cand: torch.Tensor, 
 
 class LiLiCorrDrafter(BlockDrafter):
     """Block drafter + LiLiCorr head: chains by the greedy / sampled walk of the head, trees
-    by expansion over `tree_rows(..., tree_scoring, tree_weight)`."""
+    by expansion over `tree_rows(..., tree_sharpness)`."""
 
     kind = "lilicorr"
 
     def __init__(self, net: BlockNet, parts: TargetParts, train_top_k: int | None = None,
-                 tree_scoring: str = "pair-mass", tree_weight: float = 1.0):
+                 tree_sharpness: float = TREE_SHARPNESS):
         if net.head is None:
             raise ValueError("a LiLiCorr drafter needs a block net with a head")
-        if tree_scoring not in SCORINGS:
-            raise ValueError(f"LiLiCorr tree scoring must be one of {', '.join(SCORINGS)}, "
-                             f"got {tree_scoring!r}")
         super().__init__(net, parts, train_top_k)
-        self.tree_scoring, self.tree_weight = tree_scoring, tree_weight
+        self.tree_sharpness = tree_sharpness
 
     def propose(self, ctx: DraftContext) -> Draft:
         s = ctx.settings
@@ -322,11 +309,8 @@ class LiLiCorrDrafter(BlockDrafter):
         if s.temperature > 0 and s.tree == "chain":
             ranks, q = sampled_walk(start, pair, s.temperature, ctx.generator)
             expand = self._fixed_path(tokens, ranks, q)
-        elif s.tree == "chain":   # the chain is the head's greedy walk, whatever the scoring
-            expand = self._rows(tokens, *tree_rows(start, pair, cand_logp, "pair", 1.0))
         else:
-            expand = self._rows(tokens, *tree_rows(start, pair, cand_logp, self.tree_scoring,
-                                                   self.tree_weight))
+            expand = self._rows(tokens, *tree_rows(start, pair, cand_logp, self.tree_sharpness))
         tree, nodes = tree_build.build_tree(ctx.root_token, expand, shape=s.tree, top_k=k,
                                             budget=s.budget, max_depth=S, prune_tau=s.prune_tau)
         if s.temperature > 0 and s.tree == "chain":
