@@ -13,6 +13,15 @@ from specla.drafters.ngram import NgramDrafter, append, continuations, trie
 from tests.helpers import random_target
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: one thread (two thrash on a small CPU, ~30x slower here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # ---------------------------------------------------------------- plain-Python references
 
 def reference_continuations(h: list[int], *, max_ngram, min_ngram, width, depth, pool, order):
@@ -179,16 +188,18 @@ def repeating_prompt(vocab: int, seed: int = 0) -> list[int]:
     return body + [rng.randrange(vocab) for _ in range(5)] + body[:6]
 
 
-# "loops" falls into runs of one token after a while: the drafter must then save forwards.
-TARGETS = {"small": dict(), "loops": dict(vocab=16, std=1.0)}
+# (target, new tokens): "loops" falls into runs of one token after a while, and the drafter
+# must then save forwards; "small" does not repeat itself, it checks exactness alone.
+TARGETS = {"small": (dict(), 64), "loops": (dict(vocab=16, std=1.0), 80)}
 
 
 @pytest.mark.parametrize("target_name", TARGETS)
 @pytest.mark.parametrize("deferred", [True, False], ids=["deferred", "immediate"])
 def test_speculation_with_the_ngram_drafter_equals_ar(target_name, deferred):
-    target = random_target(**TARGETS[target_name])
+    shape, new_tokens = TARGETS[target_name]
+    target = random_target(**shape)
     prompt = repeating_prompt(target.config.vocab_size)
-    settings = DecodeSettings(max_new_tokens=80, deferred=deferred)
+    settings = DecodeSettings(max_new_tokens=new_tokens, deferred=deferred)
     ar = ar_generate(target, prompt, settings)
     for tree, top_k, budget in (("chain", 1, 8), ("beam", 3, 12), ("best-first", 4, 16)):
         drafter = NgramDrafter(target.config.vocab_size, max_ngram=3, capacity=256)

@@ -44,7 +44,6 @@ import torch
 
 from specla.drafters import tree_build
 from specla.drafters.base import Accepted, Draft, DraftContext, DraftSettings
-from specla.tree import DraftTree
 
 ORDERS = ("recency", "frequency")
 
