@@ -1,11 +1,17 @@
-"""Acceptance of every shipped drafter on the held-out prompts, through the real engine.
+"""Acceptance of every drafter on the benchmark prompt sets, through the real engine.
 
-    python benchmarks/run_acceptance.py --prompts data/corpus/heldout_prompts.jsonl --out benchmarks/results
+    python -m specla.train prompts --corpus data/corpus        # the prompt sets (once)
+    python benchmarks/run_acceptance.py --out benchmarks/results
 
-Each configuration decodes every prompt speculatively at temperature 0 (verified against AR:
-`mismatching_prompts` must be 0) and reports tau (tokens per target forward, bonus
-included), the accept-length histogram and per-position acceptance. Writes
-acceptance.json and acceptance.md.
+Each configuration decodes every prompt of every set speculatively at temperature 0
+(verified against AR: `mismatching_prompts` must be 0) and reports tau (tokens per target
+forward, bonus included), the accept-length histogram and per-position acceptance. Writes
+acceptance.json and acceptance.md. With --speedup it measures each row as the app does
+instead (`specla.bench.e2e.pair_row`, through `specla.runner.run` on the engine: on the CPU
+AR and speculation alternate three times, the fastest run of each kept) and reports the
+speedup over AR. A row is `drafter:tree:top_k:budget[:option=value...]`;
+options: depth (EAGLE and n-gram), sharpness (LiLiCorr trees, see
+`specla.drafters.lilicorr.tree_rows`), max_ngram, min_ngram, order (n-gram).
 """
 from __future__ import annotations
 
@@ -23,69 +29,188 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from specla.acceptance import measure_acceptance, read_prompts  # noqa: E402
+from specla import runner  # noqa: E402
+from specla.bench.e2e import pair_row  # noqa: E402
 from specla.checkpoint import load_model  # noqa: E402
 from specla.drafters import load_drafter  # noqa: E402
 from specla.drafters.base import DraftSettings  # noqa: E402
+from specla.drafters.ngram import NgramDrafter  # noqa: E402
 
-CONFIGS = [
-    ("block", "chain", 1, 7), ("lilicorr", "chain", 4, 7),
-    ("block", "best-first", 4, 16), ("lilicorr", "best-first", 4, 8),
-    ("lilicorr", "best-first", 4, 16), ("lilicorr", "best-first", 4, 32), ("lilicorr", "beam", 4, 16),
-    ("eagle", "chain", 1, 6), ("eagle", "best-first", 4, 8), ("eagle", "best-first", 4, 16),
-    ("eagle", "best-first", 4, 32),
+ROWS = [
+    "block:chain:1:7", "lilicorr:chain:4:7",
+    "block:best-first:4:16", "block:best-first:4:32", "block:best-first:8:16", "block:best-first:8:32",
+    "lilicorr:best-first:4:8", "lilicorr:best-first:4:16", "lilicorr:best-first:4:32",
+    "lilicorr:best-first:8:16", "lilicorr:best-first:8:32", "lilicorr:beam:4:16",
+    "eagle:chain:1:6", "eagle:best-first:4:8", "eagle:best-first:4:16", "eagle:best-first:4:32",
+    "ngram:chain:1:8:depth=8", "ngram:best-first:4:16:depth=8", "ngram:best-first:4:32:depth=16",
 ]
+SETS = "heldout=data/corpus/heldout_prompts.jsonl,editing=data/corpus/editing_prompts.jsonl"
+NUMBER_OPTIONS = {"depth": int, "sharpness": float, "max_ngram": int, "min_ngram": int}
+
+
+def parse_row(spec: str) -> dict:
+    """'lilicorr:best-first:4:16:sharpness=0.5' -> a row description."""
+    parts = spec.split(":")
+    if len(parts) < 4:
+        raise SystemExit(f"row {spec!r}: expected drafter:tree:top_k:budget[:option=value...]")
+    options = {}
+    for item in parts[4:]:
+        key, _, value = item.partition("=")
+        options[key] = NUMBER_OPTIONS.get(key, str)(value)
+    return {"drafter": parts[0], "tree": parts[1], "top_k": int(parts[2]), "budget": int(parts[3]),
+            "options": options}
+
+
+def make_drafter(row: dict, model, drafters: Path):
+    options = dict(row["options"])
+    options.pop("depth", None)
+    if row["drafter"] == "ngram":
+        return NgramDrafter(model.config.vocab_size, **options)
+    drafter = load_drafter(drafters / row["drafter"], model)
+    if "sharpness" in options:
+        drafter.tree_sharpness = options.pop("sharpness")
+    if options:
+        raise SystemExit(f"options {sorted(options)} do not apply to the {row['drafter']} drafter")
+    return drafter
+
+
+def row_name(row: dict) -> str:
+    opts = options_text(row)
+    return f"{row['drafter']} {row['tree']} k={row['top_k']} budget={row['budget']}" + (f" ({opts})" if opts else "")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prompts", default="data/corpus/heldout_prompts.jsonl")
-    ap.add_argument("--limit", type=int, default=32)
+    ap.add_argument("--sets", default=SETS, help="name=path,... JSON Lines prompt files")
+    ap.add_argument("--limit", type=int, default=32, help="prompts per set")
+    ap.add_argument("--skip", type=int, default=0, help="skip the first N prompts of each set "
+                    "(a tuning split apart from the reported prompts)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--name", default="acceptance", help="output files <name>.json and <name>.md")
     ap.add_argument("--drafters", default=str(ROOT / "assets" / "drafters"),
-                    help="folder with one sub-folder per drafter kind")
-    ap.add_argument("--only", default=None, help="comma-separated drafter:tree:top_k:budget rows to run")
+                    help="folder with one sub-folder per trained drafter kind")
+    ap.add_argument("--rows", nargs="+", default=ROWS, help="rows to run (see the module docstring)")
+    ap.add_argument("--speedup", action="store_true", help="time AR and speculation (CPU speedups)")
+    ap.add_argument("--repeats", type=int, default=3, help=argparse.SUPPRESS)   # the app measures 3 alternating runs
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    model, tokenizer, _ = load_model(ROOT / "assets" / "target")
-    prompts = read_prompts(args.prompts, args.limit)
-    tokenize = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    rows = []
-    configs = CONFIGS
-    if args.only:
-        configs = [(k, t, int(top), int(b)) for k, t, top, b in (c.split(":") for c in args.only.split(","))]
-    for kind, tree, top_k, budget in configs:
-        drafter = load_drafter(Path(args.drafters) / kind, model)
-        settings = DraftSettings(tree=tree, top_k=top_k, budget=budget, block_size=8, depth=6)
-        start = time.perf_counter()
-        result = measure_acceptance(model, tokenize, prompts, drafter, settings, args.max_new_tokens)
-        result.update(drafter=kind, tree=tree, top_k=top_k, budget=budget,
-                      seconds=round(time.perf_counter() - start, 1))
-        rows.append(result)
-        print(f"{kind:>8} {tree:>10} k={top_k} budget={budget:>2}: tau={result['tau']:.3f} "
-              f"mismatches={result['mismatching_prompts']}", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
+    torch.set_num_threads(1)
+    model, tokenizer, _ = load_model(ROOT / "assets" / "target")
+    sets = {}
+    for item in args.sets.split(","):
+        name, _, path = item.partition("=")
+        sets[name] = read_prompts(path)[args.skip:args.skip + args.limit]
+    tokenize = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    ar_cache: dict = {}
+    rows = []
+    for spec in args.rows:
+        row = parse_row(spec)
+        settings = DraftSettings(tree=row["tree"], top_k=row["top_k"], budget=row["budget"], block_size=8,
+                                 depth=row["options"].get("depth", 6))
+        row["sets"] = {}
+        for name, prompts in sets.items():
+            drafter = make_drafter(row, model, Path(args.drafters))
+            if hasattr(drafter, "tree_sharpness") and row["tree"] != "chain":
+                row["tree_sharpness"] = drafter.tree_sharpness
+            start = time.perf_counter()
+            if args.speedup:
+                runtime = runner.Runtime(model, tokenizer, {"row": drafter}, model_name="assets/target",
+                                         eos_token_id=model.config.eos_token_id)
+                app_settings = {"drafter": "row", "tree": row["tree"], "top_k": row["top_k"],
+                                "budget": row["budget"], "block_size": 8, "depth": settings.depth,
+                                "max_new_tokens": args.max_new_tokens}
+                result = pair_row(runtime, prompts, app_settings)
+                result["mismatching_prompts"] = result["exact"]["diverging_prompts"]
+            else:
+                result = measure_acceptance(model, tokenize, prompts, drafter, settings,
+                                            args.max_new_tokens, ar_cache=ar_cache)
+            result["seconds"] = round(time.perf_counter() - start, 1)
+            row["sets"][name] = result
+            speed = f" speedup={result['speedup']:.2f}x" if args.speedup else ""
+            print(f"{row_name(row):>60} {name:>8}: tau={result['tau']:.3f}{speed} "
+                  f"mismatches={result['mismatching_prompts']}", flush=True)
+        rows.append(row)
     report = {"command": " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]), "commit": commit,
               "device": f"CPU ({platform.processor() or platform.machine()}), 1 thread",
-              "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": 0,
-              "rows": rows}
+              "sets": {name: len(p) for name, p in sets.items()}, "skip": args.skip,
+              "max_new_tokens": args.max_new_tokens, "temperature": 0, "rows": rows}
+    if args.speedup:
+        report["repeats"] = args.repeats
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "acceptance.json").write_text(json.dumps(report, indent=1))
-    base = {r["drafter"]: r["tau"] for r in rows if r["tree"] == "chain"}
-    lines = [f"# Acceptance on {len(prompts)} held-out prompts, {args.max_new_tokens} new tokens, "
-             "temperature 0", "", f"`{report['command']}` at commit {commit}; every run checked "
-             "token for token against AR.", "",
-             "| drafter | tree | top-k | budget | tau | vs block chain | mismatching prompts | per-position acceptance |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        gain = f"{100 * (r['tau'] / base['block'] - 1):+.1f}%" if "block" in base else ""
-        pos = ", ".join(f"{p:.2f}" for p in r["per_position_acceptance"][:8])
-        lines.append(f"| {r['drafter']} | {r['tree']} | {r['top_k']} | {r['budget']} | {r['tau']:.3f} | "
-                     f"{gain} | {r['mismatching_prompts']} | {pos} |")
-    (out / "acceptance.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    (out / f"{args.name}.json").write_text(json.dumps(report, indent=1))
+    text = render_speedup(report) if args.speedup else render(report)
+    (out / f"{args.name}.md").write_text(text)
+    print(text)
+
+
+def options_text(row: dict) -> str:
+    text = ", ".join(f"{k}={v}" for k, v in row["options"].items())
+    if "tree_sharpness" in row and "sharpness" not in row["options"]:
+        text = f"sharpness={row['tree_sharpness']} (default)" + (f", {text}" if text else "")
+    return text
+
+
+def render(report: dict) -> str:
+    """The Markdown report: tau of every row on every set, then per-position acceptance."""
+    names = list(report["sets"])
+    base = {n: next((r["sets"][n]["tau"] for r in report["rows"]
+                     if r["drafter"] == "block" and r["tree"] == "chain"), None) for n in names}
+    skipped = f" (prompts {report['skip'] + 1}-{report['skip'] + max(report['sets'].values())} of each file)" \
+        if report["skip"] else ""
+    lines = [f"# Acceptance, {report['max_new_tokens']} new tokens, temperature 0", "",
+             f"`{report['command']}` at commit {report['commit']}; {report['device']}; every run "
+             "checked token for token against AR.", "",
+             "Prompt sets: " + ", ".join(f"{n} ({k} prompts)" for n, k in report["sets"].items()) + skipped
+             + ".", "",
+             "| drafter | tree | top-k | budget | options | " + " | ".join(
+                 f"tau {n} | vs block chain" for n in names) + " | mismatching prompts |",
+             "|---|---|---|---|---|" + "---|---|" * len(names) + "---|"]
+    for r in report["rows"]:
+        cells = []
+        for n in names:
+            tau = r["sets"][n]["tau"]
+            gain = f"{100 * (tau / base[n] - 1):+.1f}%" if base[n] else ""
+            cells += [f"{tau:.3f}", gain]
+        opts = options_text(r)
+        bad = sum(r["sets"][n]["mismatching_prompts"] or 0 for n in names)
+        lines.append(f"| {r['drafter']} | {r['tree']} | {r['top_k']} | {r['budget']} | {opts} | "
+                     + " | ".join(cells) + f" | {bad} |")
+    for n in names:
+        lines += ["", f"Per-position acceptance, {n}:", "",
+                  "| drafter | tree | top-k | budget | options | per-position acceptance |",
+                  "|---|---|---|---|---|---|"]
+        for r in report["rows"]:
+            pos = ", ".join(f"{p:.2f}" for p in r["sets"][n]["per_position_acceptance"][:8])
+            opts = options_text(r)
+            lines.append(f"| {r['drafter']} | {r['tree']} | {r['top_k']} | {r['budget']} | {opts} | {pos} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_speedup(report: dict) -> str:
+    """The Markdown report of a --speedup run: tau, times and speedup per row and set."""
+    names = list(report["sets"])
+    lines = [f"# CPU speedup over AR, {report['max_new_tokens']} new tokens, temperature 0", "",
+             f"`{report['command']}` at commit {report['commit']}; {report['device']}; the eager loop "
+             f"(`specla.decode`), each prompt decoded {report['repeats']} times with AR and speculation "
+             "alternating, the fastest run of each kept; ms/token is the median over prompts, the "
+             "speedup the ratio of the medians; every run checked token for token against AR.", "",
+             "Prompt sets: " + ", ".join(f"{n} ({k} prompts)" for n, k in report["sets"].items()) + ".", "",
+             "| drafter | tree | top-k | budget | options | " + " | ".join(
+                 f"{n}: tau | ms/token | AR ms/token | speedup" for n in names) + " | mismatching prompts |",
+             "|---|---|---|---|---|" + "---|---|---|---|" * len(names) + "---|"]
+    for r in report["rows"]:
+        cells = []
+        for n in names:
+            x = r["sets"][n]
+            cells += [f"{x['tau']:.2f}", f"{x['ms_per_token']['median']:.2f}",
+                      f"{x['ar_ms_per_token']['median']:.2f}", f"{x['speedup']:.2f}x"]
+        bad = sum(r["sets"][n]["mismatching_prompts"] for n in names)
+        lines.append(f"| {r['drafter']} | {r['tree']} | {r['top_k']} | {r['budget']} | {options_text(r)} | "
+                     + " | ".join(cells) + f" | {bad} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -137,19 +137,28 @@ def exactness(target, tokenize, prompts: list[str], modes: list[str], deferred: 
 
 
 def measure_acceptance(target, tokenize, prompts: list[str], drafter, draft_settings: DraftSettings,
-                       max_new_tokens: int, check_exact: bool = True) -> dict:
+                       max_new_tokens: int, check_exact: bool = True,
+                       ar_cache: dict | None = None) -> dict:
     """tau and acceptance statistics of `drafter` at temperature 0 (checked against AR).
-    `target` is an Engine (or a bare target, decoded eagerly)."""
+
+    `target` is an Engine (or a bare target, decoded eagerly). `ar_cache`, if given, keeps
+    each prompt's AR tokens between calls (several drafters are checked against the same AR
+    output, decoded once).
+    """
     engine = as_engine(target)
     parts, mismatches = [], 0
+    ar_cache = {} if ar_cache is None else ar_cache
     for prompt in tqdm(prompts, desc=f"acceptance {drafter.name}", leave=False):
         tokens = tokenize(prompt)
         settings = DecodeSettings(max_new_tokens=max_new_tokens, mode="auto", deferred=True)
         records = list(engine.speculate(tokens, drafter, settings, draft_settings))
         parts.append(accept_stats(records))
         if check_exact:
+            key = (tuple(tokens), max_new_tokens)
+            if key not in ar_cache:
+                ar_cache[key] = engine.ar(tokens, settings).tokens
             spec = [t for r in records for t in r.new_tokens]
-            mismatches += spec != engine.ar(tokens, settings).tokens
+            mismatches += spec != ar_cache[key]
     out = merge_stats(parts)
     out["prompts"] = len(prompts)
     out["mismatching_prompts"] = mismatches if check_exact else None

@@ -49,7 +49,9 @@ def _checked_tokens(model, tokenizer, text: str) -> list[int]:
 
 
 def _load_drafter(kind: str, model, args):
-    from specla.drafters import load_drafter
+    from specla.drafters import MODEL_FREE, load_drafter, model_free_drafter
+    if kind in MODEL_FREE:
+        return model_free_drafter(kind, model)
     path = Path(args.drafter_path) if getattr(args, "drafter_path", None) else DEFAULT_DRAFTERS / kind
     return load_drafter(path, model)
 
@@ -150,7 +152,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 def _draft_args(p: argparse.ArgumentParser, default_drafter: str | None) -> None:
     p.add_argument("--drafter", default=default_drafter,
-                   help="block | lilicorr | eagle (from assets/drafters) or oracle (exactness only)")
+                   help="block | lilicorr | eagle (from assets/drafters), ngram (model-free, any "
+                        "model) or oracle (exactness only)")
     p.add_argument("--drafter-path", help="drafter folder (default assets/drafters/<kind>)")
     p.add_argument("--tree", default="chain", help="chain | beam | best-first")
     p.add_argument("--top-k", type=int, default=4)

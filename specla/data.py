@@ -20,9 +20,12 @@ Files in the corpus folder:
     train.bin, heldout.bin         uint16 token ids, one <|endoftext|> before each document
     tokens.json                    what the .bin files hold (vocab, counts, tokenizer hash)
     heldout_prompts.jsonl          64-token prompts from held-out files (benchmarks)
+    editing_prompts.jsonl          a held-out function, then the start of a renamed copy
+                                   (benchmarks of drafting that repeats the prompt)
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import gzip
 import hashlib
@@ -32,6 +35,7 @@ import random
 import re
 import sys
 import sysconfig
+import textwrap
 import time
 from importlib import metadata
 from pathlib import Path
@@ -324,6 +328,86 @@ def heldout_prompts(corpus: str | Path, tokenizer, n: int = 64, prefix_tokens: i
     return prompts
 
 
+EDITS = ("rename-function", "rename-variable")
+RENAMES = ("{}_v2", "new_{}", "{}_impl", "my_{}", "{}_value")
+
+
+def _functions(text: str) -> list[tuple[ast.FunctionDef, str]]:
+    """Every function of a file (methods and nested ones too) with its dedented source,
+    decorators left out; [] when the file does not parse."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    lines = text.splitlines(keepends=True)
+    return [(node, textwrap.dedent("".join(lines[node.lineno - 1:node.end_lineno])))
+            for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def _variables(node: ast.FunctionDef) -> list[str]:
+    """Names a rename refactor would touch: the parameters (not self / cls) and the locals
+    assigned in the function, in first-seen order."""
+    names = [a.arg for a in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs)]
+    names += [n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]
+    return [n for n in dict.fromkeys(names) if n not in ("self", "cls", "_")]
+
+
+def _rename(source: str, old: str, new: str) -> str:
+    """Every whole-word `old` that is not an attribute (`x.old`) becomes `new`: a plain
+    textual rename, strings and comments included, as a find-and-replace does it."""
+    return re.sub(rf"(?<![\w.]){re.escape(old)}\b", new, source)
+
+
+def editing_prompts(corpus: str | Path, tokenizer, n: int = 32, continuation_tokens: int = 64,
+                    max_function_tokens: int = 448, seed: int = 0) -> list[dict]:
+    """Prompts whose continuation repeats code from the prompt, as a rename refactor does.
+
+    Built from held-out files by construction: files in a stable hash order; in each, a
+    function picked by a seeded RNG among those that fit (at most `max_function_tokens`
+    tokens, at least `continuation_tokens` after the first line); edits alternate between
+    renaming the function and renaming one of its variables (a parameter or an assigned
+    local used at least twice, picked by the same RNG), to a name made from the old one.
+    The prompt is the original function, a blank line, and the first line of the renamed
+    copy; `continuation` is the next `continuation_tokens` tokens of the renamed copy.
+    Deterministic for a corpus, tokenizer and seed.
+    """
+    rng = random.Random(seed)
+    docs = sorted(iter_documents(corpus, "heldout"), key=lambda d: stable_hash(d[0]))
+    out: list[dict] = []
+    used: set[tuple[str, int]] = set()
+    for rel, text in docs * 4:            # more passes pick other functions of the same files
+        if len(out) == n:
+            break
+        edit = EDITS[len(out) % len(EDITS)]
+        options = []
+        for node, source in _functions(text.split("\n", 1)[1]):
+            if (rel, node.lineno) in used:
+                continue
+            if edit == "rename-function":
+                names = [] if node.name.startswith("__") else [node.name]
+            else:
+                names = [v for v in _variables(node) if len(re.findall(rf"(?<![\w.]){re.escape(v)}\b", source)) >= 2]
+            head, _, rest = source.partition("\n")
+            rest_ids = tokenizer.encode("\n" + rest).ids
+            if names and len(rest_ids) >= continuation_tokens and \
+                    len(tokenizer.encode(source).ids) <= max_function_tokens:
+                options.append((node, source, names))
+        if not options:
+            continue
+        node, source, names = options[rng.randrange(len(options))]
+        old = names[rng.randrange(len(names))]
+        new = RENAMES[rng.randrange(len(RENAMES))].format(old)
+        renamed = _rename(source, old, new)
+        head, _, rest = renamed.partition("\n")
+        ids = tokenizer.encode("\n" + rest).ids
+        used.add((rel, node.lineno))
+        out.append({"prompt": source + "\n" + head,
+                    "continuation": tokenizer.decode(ids[:continuation_tokens]),
+                    "file": rel, "function": node.name, "line": node.lineno,
+                    "edit": {"kind": edit, "old": old, "new": new}})
+    return out
+
+
 def example_prompts(corpus: str | Path, n: int = 12) -> list[dict]:
     """Short, readable demo prompts: a held-out function's signature and docstring opening."""
     pattern = re.compile(r'^([ \t]*def [^\n]+:\n[ \t]+"""[^\n]+\n)', re.M)
@@ -366,3 +450,23 @@ def main(argv: list[str] | None = None) -> None:
     for split, s in m["splits"].items():
         print(f"{split}: {s['files']} files, {s['bytes'] / 1e6:.1f} MB, sha256 {s['sha256'][:16]}")
     print(f"built in {m['build_seconds']}s -> {args.out}")
+
+
+def prompts_main(argv: list[str] | None = None) -> None:
+    """Write the benchmark prompt sets of a corpus with an existing tokenizer (no training)."""
+    import argparse
+
+    from specla.tokenizer import load_raw
+
+    ap = argparse.ArgumentParser(prog="python -m specla.train prompts", description=prompts_main.__doc__)
+    ap.add_argument("--corpus", default="data/corpus", help="folder written by `corpus`")
+    ap.add_argument("--tokenizer", default="assets", help="folder with tokenizer.json")
+    ap.add_argument("--n", type=int, default=64, help="prompts per set")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    tok = load_raw(args.tokenizer)
+    sets = {"heldout_prompts.jsonl": heldout_prompts(args.corpus, tok, n=args.n, seed=args.seed),
+            "editing_prompts.jsonl": editing_prompts(args.corpus, tok, n=args.n, seed=args.seed)}
+    for name, rows in sets.items():
+        write_jsonl(Path(args.corpus) / name, rows)
+        print(f"{len(rows)} prompts -> {Path(args.corpus) / name}")

@@ -228,11 +228,15 @@ def load_runtime(model: str | None = None, drafters: str | None = None,
     """The target (default: assets/target), its drafters (default: assets/drafters/<kind>/).
 
     Without a model in assets/ (and none given), a tiny random demo runtime is returned
-    with a note saying so. The oracle drafter is always offered, labelled as measurement.
+    with a note saying so. Trained drafters that do not fit the target (trained for another
+    one, or unreadable) are skipped, and the note says which and why. The model-free n-gram
+    drafter and the oracle (labelled as measurement) are always offered.
     dtype: bf16 | fp32 | auto (fp32 on the CPU, bf16 on a GPU, where fp32 is not free even
     for a launch-bound model: benchmarks/results/h200/session7/). backend: the engine's
     (auto: CUDA graphs on a GPU).
     """
+    from specla.drafters import DrafterFormatError, load_drafter, model_free_drafter
+
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dtype not in ("auto", *DTYPES):
         raise ValueError(f"dtype must be auto, bf16 or fp32, got {dtype!r}")
@@ -241,11 +245,13 @@ def load_runtime(model: str | None = None, drafters: str | None = None,
     if model == RANDOM_1P3B:
         return random_1p3b_runtime(device)
     if model == "random-tiny":
-        return tiny_random_runtime(device=device, random_drafters=DRAFTER_KINDS, note=(
+        runtime = tiny_random_runtime(device=device, random_drafters=DRAFTER_KINDS, note=(
             "No trained model loaded: this is a tiny random-weight model, for trying the explorer only. "
             "Its text is noise; use the oracle drafter to see drafts accepted."))
+        ngram = runtime.drafters["ngram"] = model_free_drafter("ngram", runtime.target)
+        runtime.labels["ngram"] = ngram.label
+        return runtime
     from specla.checkpoint import load_model
-    from specla.drafters import load_drafter
 
     path = model or str(ASSETS / "target")
     auto = torch.bfloat16 if device == "cuda" else torch.float32
@@ -257,18 +263,29 @@ def load_runtime(model: str | None = None, drafters: str | None = None,
         from specla.tokenizer import load_tokenizer
         tokenizer = load_tokenizer(ASSETS)
     found: dict[str, Any] = {}
+    skipped: dict[str, list[str]] = {}     # reason -> drafter kinds
     root = Path(drafters) if drafters else ASSETS / "drafters"
     for kind in DRAFTER_KINDS:
         if (root / kind).is_dir():
-            found[kind] = load_drafter(str(root / kind), target)
+            try:
+                found[kind] = load_drafter(str(root / kind), target)
+            except DrafterFormatError as err:
+                reason = "trained for another target" if "trained for another target" in str(err) else str(err)
+                skipped.setdefault(reason, []).append(kind)
+    found["ngram"] = model_free_drafter("ngram", target)
     found[ORACLE] = oracle_factory(target.config.vocab_size)
+    note = " ".join(f"Skipped the {', '.join(kinds)} drafter{'s' if len(kinds) > 1 else ''} in {root} "
+                    f"({reason})." for reason, kinds in skipped.items())
+    if note:
+        note += (" The n-gram drafter needs no training; `python -m specla train drafter --target "
+                 f"{path}` trains the others for this model.")
     name = "assets/target" if model in (None, "") else str(path)
     params = getattr(report, "num_parameters", None)
     if isinstance(params, int):
         c = target.config
         name += f" ({params / 1e6:.1f}M parameters, {c.num_hidden_layers} layers × {c.hidden_size})"
     return Runtime(target, tokenizer, found, model_name=name, eos_token_id=target.config.eos_token_id,
-                   engine=Engine(target, backend))
+                   note=note, labels={"ngram": found["ngram"].label}, engine=Engine(target, backend))
 
 
 def drafter_limits(runtime: Runtime, name: str) -> dict:

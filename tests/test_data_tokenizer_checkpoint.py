@@ -119,6 +119,24 @@ def test_token_files_and_prompts(mini_corpus, tiny_tokenizer_dir):
     assert prompts == data.heldout_prompts(mini_corpus, raw, n=4, prefix_tokens=16, continuation_tokens=8)
 
 
+def test_editing_prompts_repeat_a_held_out_function_renamed(mini_corpus, tiny_tokenizer_dir):
+    raw = tk.load_raw(tiny_tokenizer_dir)
+    prompts = data.editing_prompts(mini_corpus, raw, n=6, continuation_tokens=16)
+    assert len(prompts) == 6
+    assert prompts == data.editing_prompts(mini_corpus, raw, n=6, continuation_tokens=16)
+    held = dict(data.iter_documents(mini_corpus, "heldout"))
+    for i, p in enumerate(prompts):
+        edit = p["edit"]
+        assert edit["kind"] == data.EDITS[i % 2] and edit["new"] != edit["old"]
+        original, head = p["prompt"].rsplit("\n\n", 1)      # the original, a blank line, the copy's first line
+        original += "\n"
+        assert original.splitlines()[0].strip() in held[p["file"]]
+        assert data._rename(original, edit["old"], edit["new"]).startswith(head + p["continuation"])
+        assert len(raw.encode(p["continuation"]).ids) >= 15
+        if edit["kind"] == "rename-function":
+            assert head.removeprefix("async ").startswith(f"def {edit['new']}(")
+
+
 # ---------------------------------------------------------------------------- checkpoint
 
 def bf16_model(config: GDNConfig, seed: int = 0) -> GDNForCausalLM:

@@ -19,7 +19,7 @@ from specla.drafters import (DRAFTERS, DrafterFormatError, fingerprint_of, load_
 from specla.drafters import tree_build
 from specla.drafters.base import Accepted, DraftContext, DraftSettings
 from specla.drafters.lilicorr import (HeadConfig, LiLiCorrHead, greedy_walk, lattice_losses,
-                                      sampled_walk)
+                                      sampled_walk, tree_rows)
 from specla.model import GDNForCausalLM, Topology
 
 
@@ -133,6 +133,44 @@ def test_lilicorr_chain_is_the_greedy_walk(target, prompt):
     assert draft.tree.tokens[1:] == [lat["candidates"][s][chosen[s]] for s in range(S)]
     assert draft.tree.is_chain and draft.proposal is None
     json.dumps(draft.details)  # JSON-able for the views
+
+
+def test_tree_rows_hand_worked_example():
+    """The example in tree_rows' docstring."""
+    cand_logp = torch.tensor([[0.6, 0.2], [0.3, 0.3]]).log()
+    start, pair = torch.tensor([0.0, math.log(3)]), torch.tensor([[[0.0, 0.0], [math.log(4), 0.0]]])
+    root, below = tree_rows(start, pair, cand_logp, sharpness=1.0)
+    assert torch.allclose(root.exp(), torch.tensor([0.2, 0.6]))
+    assert torch.allclose(below.exp(), torch.tensor([[[0.3, 0.3], [0.48, 0.12]]]))
+
+
+@pytest.mark.parametrize("sharpness", [0.5, 0.75, 1.0, 2.0])
+def test_tree_rows_keep_the_drafter_mass_and_the_head_order(sharpness):
+    torch.manual_seed(0)
+    S, k = 5, 4
+    start, pair = torch.randn(k) * 3, torch.randn(S - 1, k, k) * 3
+    cand_logp = torch.log_softmax(torch.randn(S, 20), -1).topk(k, -1).values
+    mass = torch.logsumexp(cand_logp, -1)
+    root, below = tree_rows(start, pair, cand_logp, sharpness)
+    assert torch.allclose(torch.logsumexp(root, -1), mass[0], atol=1e-5)
+    assert torch.allclose(torch.logsumexp(below, -1), mass[1:, None].expand(S - 1, k), atol=1e-5)
+    assert torch.equal(root.argsort(), start.argsort())         # the head's order: the chain is its walk
+    assert torch.equal(below.argsort(-1), pair.argsort(-1))
+    with pytest.raises(ValueError, match="sharpness must be > 0"):
+        tree_rows(start, pair, cand_logp, 0.0)
+
+
+def test_lilicorr_tree_nodes_carry_their_tree_rows(target, prompt):
+    lili = started("lilicorr", target, prompt)
+    draft = lili.propose(ctx(prompt, tree="best-first", top_k=3, budget=10))
+    lat, tree = draft.details["lattice"], draft.tree
+    root, below = tree_rows(torch.tensor(lat["start"]), torch.tensor(lat["pair"]),
+                            torch.tensor(lat["logprobs"]), lili.tree_sharpness)
+    rank = [None] + [lat["candidates"][tree.depths[i] - 1].index(tree.tokens[i]) for i in range(1, len(tree))]
+    for i in range(1, len(tree)):
+        d, parent = tree.depths[i], tree.parents[i]
+        want = root[rank[i]] if d == 1 else below[d - 2, rank[parent], rank[i]]
+        assert tree.logprobs[i] == pytest.approx(float(want), abs=1e-5)
 
 
 def test_sampled_walk_q_is_a_distribution_on_the_candidates(target, prompt):

@@ -3,6 +3,8 @@
     block     DFlash-style block drafter, trees from its slot marginals      (block.py)
     lilicorr  the block drafter + LiLiCorr head over its candidate lattice   (lilicorr.py)
     eagle     one-layer EAGLE-style drafter, autoregressive over a tree      (eagle.py)
+    ngram     model-free: continuations of the context found in the prompt and the output
+              so far (ngram.py); no weights, so no checkpoint: `model_free_drafter` builds it
 
 A checkpoint is a folder:
     drafter.json         kind, hyperparameters, feature_layers, block_size, the top-k it was
@@ -27,7 +29,8 @@ import torch.nn as nn
 from specla.config import GDNConfig
 from specla.drafters.base import Drafter
 
-DRAFTERS = ("block", "lilicorr", "eagle")
+DRAFTERS = ("block", "lilicorr", "eagle")          # trained: a checkpoint folder each
+MODEL_FREE = ("ngram",)                            # no weights: built for any target
 FORMAT = "specla-drafter"
 VERSION = 1
 CONFIG_FILE = "drafter.json"
@@ -102,6 +105,14 @@ def wrap(kind: str, net: nn.Module, target: nn.Module, train_top_k: int | None =
         raise DrafterFormatError(f"unknown drafter kind {kind!r}; known kinds: {', '.join(DRAFTERS)}")
     drafter.fingerprint = fingerprint if fingerprint is not None else fingerprint_of(target)
     return drafter
+
+
+def model_free_drafter(kind: str, target: nn.Module, **options) -> Drafter:
+    """A drafter that needs no weights, for any target (options go to its constructor)."""
+    if kind != "ngram":
+        raise ValueError(f"unknown model-free drafter {kind!r}; known: {', '.join(MODEL_FREE)}")
+    from specla.drafters.ngram import NgramDrafter
+    return NgramDrafter(target.config.vocab_size, device=target.lm_head.weight.device, **options)
 
 
 def new_drafter(kind: str, target: nn.Module, feature_layers: tuple[int, ...] | None = None,
@@ -224,5 +235,5 @@ def load_drafter(path: str | Path, target: nn.Module) -> Drafter:
     return drafter
 
 
-__all__ = ["DRAFTERS", "DrafterFormatError", "load_drafter", "save_drafter", "new_drafter",
+__all__ = ["DRAFTERS", "MODEL_FREE", "model_free_drafter", "DrafterFormatError", "load_drafter", "save_drafter", "new_drafter",
            "new_net", "build_net", "wrap", "target_fingerprint", "fingerprint_of", "read_meta"]

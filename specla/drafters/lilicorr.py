@@ -18,8 +18,8 @@ accepted position):
 Selection: at temperature 0 the greedy walk (start argmax, then the argmax of the row out of
 the previous pick; not Viterbi, since acceptance rewards a correct prefix); at temperature
 > 0 each slot is sampled from the softmax of its row, and q (on the k candidates) goes to
-the lossless rejection sampler. Trees: `tree_build` over the conditional rows
-log_softmax(start) and log_softmax(pair[s, parent rank, :]).
+the lossless rejection sampler. Trees: `tree_build` over `tree_rows`, the head's
+conditional rows at the block drafter's lattice mass.
 
 Training (jointly with the drafter): block CE + 0.25 lattice CE + 0.25 penalty, where the
 lattice CE runs along the true-token prefix (slot s counts while the true token is in the
@@ -193,6 +193,40 @@ def conditional_rows(start: torch.Tensor, pair: torch.Tensor, ranks: torch.Tenso
     return torch.stack(rows, dim=-2)
 
 
+# The head's rows are flattened a little for tree search: chosen among 0.5, 0.75 and 1 on
+# held-out prompts 33-64, apart from the 32 prompts the results report
+# (benchmarks/results/lilicorr_tree_variants_tuning.md).
+TREE_SHARPNESS = 0.75
+
+
+def tree_rows(start: torch.Tensor, pair: torch.Tensor, cand_logp: torch.Tensor,
+              sharpness: float = TREE_SHARPNESS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Conditional log-probs for tree search: the root's children [k] and, for each slot
+    s >= 1, the children of a parent of rank i at slot s-1 [S-1, k, k].
+
+        row(s, i) = m_s + log_softmax(sharpness * pair[s-1, i, :])     (start at s = 0)
+
+    start [k] and pair [S-1, k, k] are the head's scores, cand_logp [S, k] the block
+    drafter's log-probs of the candidates, m_s = logsumexp(cand_logp[s]) its probability
+    that slot s's true token is among them. The head ranks the candidates given the
+    parent; the drafter's mass says how likely any of them is right at all, so a path
+    through a slot the drafter is unsure of scores low whatever the head says, and
+    best-first spends its nodes where they pay. Within a row the order is the head's, so
+    the chain (the first child at every depth) is the greedy walk.
+
+    Example (k = 2, S = 2): cand_logp = log [[0.6, 0.2], [0.3, 0.3]], start = [0, ln 3],
+    pair[0] = [[0, 0], [ln 4, 0]], sharpness 1: the root's row is log [0.2, 0.6]; out of
+    rank 0 the row is log [0.3, 0.3], out of rank 1 log [0.48, 0.12].
+    """
+    if not sharpness > 0:
+        raise ValueError(f"LiLiCorr tree sharpness must be > 0, got {sharpness}")
+    k = start.shape[-1]
+    scores = torch.cat([start.float().expand(1, k, k), pair.float()], dim=0)  # [S, k_parent, k]
+    mass = torch.logsumexp(cand_logp.float(), -1)[:, None, None]
+    rows = mass + torch.log_softmax(sharpness * scores, -1)
+    return rows[0, 0], rows[1:]
+
+
 def sampled_walk(start: torch.Tensor, pair: torch.Tensor, temperature: float,
                  generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor]:
     """One path sampled slot by slot from softmax(row / T); returns ranks and q [S, k]."""
@@ -249,15 +283,17 @@ def lattice_losses(start: torch.Tensor, pair: torch.Tensor, cand: torch.Tensor, 
 
 
 class LiLiCorrDrafter(BlockDrafter):
-    """Block drafter + LiLiCorr head: chains by the greedy / sampled walk, trees by
-    expansion over the head's conditional rows."""
+    """Block drafter + LiLiCorr head: chains by the greedy / sampled walk of the head, trees
+    by expansion over `tree_rows(..., tree_sharpness)`."""
 
     kind = "lilicorr"
 
-    def __init__(self, net: BlockNet, parts: TargetParts, train_top_k: int | None = None):
+    def __init__(self, net: BlockNet, parts: TargetParts, train_top_k: int | None = None,
+                 tree_sharpness: float = TREE_SHARPNESS):
         if net.head is None:
             raise ValueError("a LiLiCorr drafter needs a block net with a head")
         super().__init__(net, parts, train_top_k)
+        self.tree_sharpness = tree_sharpness
 
     def propose(self, ctx: DraftContext) -> Draft:
         s = ctx.settings
@@ -280,7 +316,7 @@ class LiLiCorrDrafter(BlockDrafter):
             ranks, q = sampled_walk(start, pair, s.temperature, ctx.generator)
             expand = self._fixed_path(tokens, ranks, q)
         else:
-            expand = self._rows(tokens, start, pair)
+            expand = self._rows(tokens, *tree_rows(start, pair, cand_logp, self.tree_sharpness))
         tree, nodes = tree_build.build_tree(ctx.root_token, expand, shape=s.tree, top_k=k,
                                             budget=s.budget, max_depth=S, prune_tau=s.prune_tau)
         if s.temperature > 0 and s.tree == "chain":
@@ -302,10 +338,9 @@ class LiLiCorrDrafter(BlockDrafter):
         return Draft(tree=tree, proposal=proposal, details=details)
 
     @staticmethod
-    def _rows(tokens: list[list[int]], start: torch.Tensor, pair: torch.Tensor):
-        """Children of a node at depth d (payload = its rank): the head's conditional row."""
-        start_lp = torch.log_softmax(start, -1)
-        pair_lp = torch.log_softmax(pair, -1)
+    def _rows(tokens: list[list[int]], start_lp: torch.Tensor, pair_lp: torch.Tensor):
+        """Children of a node at depth d (payload = its rank): its row of conditional
+        log-probs (`tree_rows`), best first."""
         order_start = start_lp.argsort(descending=True).tolist()
         order_pair = pair_lp.argsort(dim=-1, descending=True).tolist()
         start_lp, pair_lp = start_lp.tolist(), pair_lp.tolist()

@@ -11,6 +11,7 @@ import sys
 COMMANDS = {
     "corpus": ("specla.data", "main", "collect the Python source corpus (text + manifest)"),
     "tokenizer": ("specla.tokenizer", "main", "train the BPE tokenizer, write token files + prompts"),
+    "prompts": ("specla.data", "prompts_main", "write the held-out and editing prompt sets (existing tokenizer)"),
     "target": ("specla.train.target", "main", "train the Gated DeltaNet target and export it"),
     "card": ("specla.train.target", "card_main", "write the model card from a training summary"),
     "drafter": ("specla.train.drafter", "main", "train a drafter for the target"),

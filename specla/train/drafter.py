@@ -738,6 +738,51 @@ def greedy_agreement(live, chunks: list[Chunk], rows: int = 16) -> float | None:
 
 
 # ----------------------------------------------------------------------------------------
+# Prompts in the target's own vocabulary
+# ----------------------------------------------------------------------------------------
+
+def prompt_tokens(data: Path, target: Path, config: GDNConfig, cache: Path) -> np.ndarray:
+    """Token ids to cut generation prompts from, in the target's vocabulary.
+
+    `data`/train.bin as it is when the target has no tokenizer.json or its tokenizer wrote
+    that file (tokens.json records the tokenizer's sha256); otherwise the corpus text
+    (`data`/train.txt.gz) tokenized with the target's own tokenizer, once, kept in `cache`.
+    """
+    from specla.data import tokenize_split
+    from specla.tokenizer import file_sha256, load_raw
+
+    own = target / "tokenizer.json"
+    data_info = data / "tokens.json"
+    written_by = json.loads(data_info.read_text()).get("tokenizer_sha256") if data_info.exists() else None
+    if own.exists() and written_by != file_sha256(own):
+        if not (data / "train.txt.gz").exists():
+            raise ValueError(f"{data}/train.bin was not written with {own} and {data} has no corpus "
+                             f"text (train.txt.gz) to tokenize with it: build one with "
+                             f"`python -m specla.train corpus --out {data}`")
+        if config.vocab_size > 65536:
+            raise ValueError(f"token files are uint16: a vocabulary of {config.vocab_size} does not fit")
+        sha = file_sha256(own)
+        path = cache / f"train-{sha[:16]}.bin"
+        if not path.exists():
+            eos = config.eos_token_id if config.eos_token_id is not None else (config.bos_token_id or 0)
+            print(f"[drafter-train] tokenizing {data} with {own} (once; kept in {path})")
+            ids = tokenize_split(data, "train", load_raw(target), eos)
+            cache.mkdir(parents=True, exist_ok=True)
+            ids.tofile(path)
+    else:
+        path = data / "train.bin"
+    if not path.exists():
+        raise ValueError(f"{path} not found: run `python -m specla.train tokenizer --corpus {data}` "
+                         "(or give the target a tokenizer.json and the corpus text)")
+    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    if tokens.size and int(tokens.max()) >= config.vocab_size:
+        raise ValueError(f"{path} holds token id {int(tokens.max())}, but the target's vocabulary has "
+                         f"{config.vocab_size} entries: tokenize the corpus with the target's tokenizer "
+                         "(put its tokenizer.json in the target folder)")
+    return tokens
+
+
+# ----------------------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------------------
 
@@ -794,7 +839,8 @@ def main(argv: list[str] | None = None) -> int:
                       else default_feature_layers(config.num_hidden_layers))
     if not any(k in ("block", "lilicorr") for k in kinds):
         feature_layers = ()
-    train_bin = np.memmap(Path(args.data) / "train.bin", dtype=np.uint16, mode="r")
+    state_dir = Path(args.state)
+    train_bin = prompt_tokens(Path(args.data), Path(args.target), config, state_dir / "tokens")
     summary: dict = {"device": str(device), "torch": torch.__version__, "minutes_budget": args.minutes,
                      "kinds": kinds, "feature_layers": list(feature_layers), "hparams": dataclasses.asdict(hp)}
     if device.type == "cuda" and args.live == "fla":
@@ -812,7 +858,6 @@ def main(argv: list[str] | None = None) -> int:
     summary["target"] = fingerprint
 
     t_gen = time.time()
-    state_dir = Path(args.state)
     chunks = load_corpus(state_dir / "data", fingerprint, device) if args.resume else None
     if chunks is None:
         chunks = generate_corpus(live, train_bin, seconds=args.gen_fraction * budget, max_tokens=args.gen_tokens,
