@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specla.drafters import tree_build
-from specla.drafters.lilicorr import LiLiCorrDrafter
+from specla.drafters.lilicorr import LiLiCorrDrafter, tree_rows
 from specla.graphs.trees import conditional_rows, grow_tree, static_rows, tree_nodes
 
 
@@ -37,7 +37,9 @@ def test_device_trees_equal_host_trees(rows_kind):
             expand, device_rows = tree_build.static_rows(rows), static_rows(cand, logp)
         else:
             start, pair = torch.randn(k, generator=gen), torch.randn(max(S - 1, 0), k, k, generator=gen)
-            expand, device_rows = LiLiCorrDrafter._rows(cand.tolist(), start, pair), conditional_rows(cand, start, pair)
+            start_lp, pair_lp = tree_rows(start, pair, logp)
+            expand = LiLiCorrDrafter._rows(cand.tolist(), start_lp, pair_lp)
+            device_rows = conditional_rows(cand, start_lp, pair_lp)
         want, _ = tree_build.build_tree(7, expand, shape=shape, top_k=k, budget=budget, max_depth=S, prune_tau=tau)
         grown = grow_tree(torch.tensor([7]), device_rows, depth=S, shape=shape, top_k=k, budget=budget,
                           prune_tau=tau)

@@ -33,7 +33,7 @@ import torch
 from specla.drafters.base import DraftSettings
 from specla.drafters.block import BlockDrafter, rope
 from specla.drafters.eagle import EagleDrafter
-from specla.drafters.lilicorr import LiLiCorrDrafter, candidates, greedy_walk, lattice
+from specla.drafters.lilicorr import LiLiCorrDrafter, candidates, greedy_walk, lattice, tree_rows
 from specla.graphs.spec import GraphedSpec, StepLog
 from specla.graphs.trees import (Frontier, GrownTree, conditional_rows, frontier_width, grow_tree, pool_size,
                                  static_rows, tree_nodes)
@@ -68,6 +68,7 @@ class DeviceBlockDrafter:
         # top-1 needs no head: a LiLiCorr drafter at top-k 1 drafts the block drafter's chain
         self.lilicorr = isinstance(drafter, LiLiCorrDrafter) and net.head is not None and settings.top_k > 1
         self.single_candidate = isinstance(drafter, LiLiCorrDrafter) and not self.lilicorr  # log-prob 0, as the host
+        self.sharpness = getattr(drafter, "tree_sharpness", None)
         self.top_k = settings.top_k
         self.kind = "lilicorr" if self.lilicorr else "block"
         self.nodes = tree_nodes(self.shape, self.top_k, self.budget, self.slots)
@@ -246,19 +247,20 @@ class DeviceBlockDrafter:
         cand, cand_logp = scores["cand"], scores["cand_logp"]
         if self.shape == "chain" and self.prune_tau is None:
             n = self.nodes - 1
-            if self.lilicorr:        # the greedy walk, with each pick's conditional log-prob
+            if self.lilicorr:        # the greedy walk, with each pick's tree-search log-prob
                 ranks = scores["chosen"]
-                rows = torch.cat([scores["start"][None], scores["pair"].gather(
+                start_lp, pair_lp = tree_rows(scores["start"], scores["pair"], cand_logp, self.sharpness)
+                rows = torch.cat([start_lp[None], pair_lp.gather(
                     1, ranks[:-1, None, None].expand(-1, 1, self.top_k))[:, 0]])
                 tokens = cand.gather(1, ranks[:, None])[:, 0]
-                logp = torch.log_softmax(rows.float(), -1).gather(1, ranks[:, None])[:, 0]
+                logp = rows.gather(1, ranks[:, None])[:, 0]
             else:
                 tokens, logp = cand[:, 0], cand_logp[:, 0] * (0.0 if self.single_candidate else 1.0)
             real = torch.ones(n + 1, dtype=torch.bool, device=root.device)
             return GrownTree(torch.cat([root, tokens[:n]]), torch.arange(-1, n, device=root.device),
                              torch.cat([torch.zeros(1, device=root.device), logp[:n]]), real)
-        rows = (conditional_rows(cand, scores["start"], scores["pair"]) if self.lilicorr
-                else static_rows(cand, cand_logp))
+        rows = (conditional_rows(cand, *tree_rows(scores["start"], scores["pair"], cand_logp, self.sharpness))
+                if self.lilicorr else static_rows(cand, cand_logp))
         return grow_tree(root, rows, depth=self.slots, shape=self.shape, top_k=self.top_k,
                          budget=self.budget, prune_tau=self.prune_tau)
 

@@ -163,15 +163,13 @@ def static_rows(cand: torch.Tensor, cand_logp: torch.Tensor) -> Rows:
     return rows
 
 
-def conditional_rows(cand: torch.Tensor, start: torch.Tensor, pair: torch.Tensor) -> Rows:
-    """LiLiCorr's first-order rows: log_softmax(start) under the root, log_softmax(pair[s,
-    parent rank, :]) below, each sorted best first (`LiLiCorrDrafter._rows` on the host)."""
-    start_lp = torch.log_softmax(start.float(), -1)
-    pair_lp = torch.log_softmax(pair.float(), -1)
-
+def conditional_rows(cand: torch.Tensor, start_lp: torch.Tensor, pair_lp: torch.Tensor) -> Rows:
+    """LiLiCorr's first-order rows, from `specla.drafters.lilicorr.tree_rows`: start_lp [k]
+    under the root, pair_lp[s, parent rank, :] below, each sorted best first
+    (`LiLiCorrDrafter._rows` on the host)."""
     def rows(d: int, frontier: Frontier):
         F = frontier.idx.shape[0]
-        row = start_lp.expand(F, -1) if d == 0 else pair_lp[d - 1].index_select(0, frontier.rank)
+        row = start_lp.float().expand(F, -1) if d == 0 else pair_lp[d - 1].float().index_select(0, frontier.rank)
         lp, rank = torch.sort(row, dim=-1, descending=True, stable=True)
         return cand[d].gather(0, rank.reshape(-1)).view(F, -1), lp, rank
     return rows
