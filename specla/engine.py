@@ -226,7 +226,7 @@ class Engine:
             if plan.drafting == "device":
                 try:
                     dev, _ = device_drafter_for(drafter, ds, compile=self.compile_drafter,
-                                                fused_head=self.fused_head)
+                                                fused_head=self.fused_head, device=self.device)
                     dec = GraphedDecoder(self.packed, dev, ds, capacity, settings.deferred, settings.mode,
                                          self.use_graph, self.recurrence, sampling=sampling)
                 except Exception as err:  # noqa: BLE001 - a draft that does not capture still runs

@@ -240,3 +240,22 @@ def test_a_device_drafter_that_fails_falls_back_to_host_drafting(cpu_pair, monke
     assert out == eager.ar(prompts[0], settings).tokens
     plan = graphed.plan(drafters["block"], settings, SHAPES["chain"])
     assert plan.drafting == "host" and "no capture today" in plan.note
+
+
+@pytest.mark.parametrize("shape", ["chain", "best-first", "beam"])
+def test_device_ngram_drafter_equals_the_host_one(shape):
+    """The model-free drafter inside the step graphs (its tensor core over a device history)
+    takes the steps the host drafter takes: same trees, same accepted paths, output = AR's.
+    A target that repeats itself, so continuations are found and accepted."""
+    from specla.drafters import model_free_drafter
+    from tests.helpers import random_target
+
+    target = random_target(vocab=8, seed=3)           # a small vocabulary: it falls into loops
+    drafter = model_free_drafter("ngram", target)
+    graphed, eager = Engine(target, "graphed", use_graph=False), Engine(target, "eager")
+    settings = DecodeSettings(max_new_tokens=48)
+    ds = DraftSettings(tree=shape, top_k=3, budget=8, depth=5)
+    assert graphed.plan(drafter, settings, ds).drafting == "device"
+    a, b = compare(eager, graphed, [1, 2, 3, 1, 2, 3, 1], drafter, settings, ds)
+    assert [t for r in b for t in r.new_tokens] == eager.ar([1, 2, 3, 1, 2, 3, 1], settings).tokens
+    assert sum(len(r.acceptance.tokens) for r in b) > 0, "the loop should be drafted and accepted"

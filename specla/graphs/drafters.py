@@ -33,7 +33,9 @@ import torch
 from specla.drafters.base import DraftSettings
 from specla.drafters.block import BlockDrafter, rope
 from specla.drafters.eagle import EagleDrafter
+from specla.drafters import ngram
 from specla.drafters.lilicorr import LiLiCorrDrafter, candidates, greedy_walk, lattice, tree_rows
+from specla.drafters.ngram import NgramDrafter
 from specla.graphs.spec import GraphedSpec, StepLog
 from specla.graphs.trees import (Frontier, GrownTree, conditional_rows, frontier_width, grow_tree, pool_size,
                                  static_rows, tree_nodes)
@@ -459,12 +461,136 @@ class DeviceEagleDrafter:
         return [{"drafter": "eagle"} for _ in range(stop - start)]
 
 
+class DeviceNgramDrafter:
+    """The model-free n-gram drafter inside the step graphs: `specla.drafters.ngram`'s tensor
+    core over a device history buffer, and the tree `NgramDrafter.propose` grows over the
+    trie of its continuations (`grow_tree` with the trie's children, heaviest first)."""
+
+    kind = "ngram"
+
+    def __init__(self, drafter: NgramDrafter, settings: DraftSettings, device):
+        settings.validate(drafter.vocab_size)
+        self.core = drafter
+        self.feature_layers = ()
+        self.shape, self.depth, self.budget, self.prune_tau = settings.tree, settings.depth, settings.budget, settings.prune_tau
+        self.width = 1 if self.shape == "chain" else min(settings.top_k, drafter.pool)
+        self.top_k = self.width
+        self.nodes = tree_nodes(self.shape, self.width, self.budget, self.depth)
+        self.max_depth = min(self.depth, self.budget)
+        self.dynamic = self.shape != "chain"
+        self.temperature, self.samples_chains = settings.temperature, False   # point-mass drafts
+        self.device = torch.device(device)
+        self.history = torch.full((drafter.capacity,), -1, dtype=torch.long, device=self.device)
+        self.length = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.compiled = False
+
+    def template(self) -> DraftTree:
+        if self.shape == "chain":
+            return DraftTree.chain([0] * self.nodes)
+        return DraftTree([0] * self.nodes, [-1] + [0] * (self.nodes - 1))
+
+    def bind(self, log: StepLog) -> None:
+        self.step_log = log
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [self.history, self.length]
+
+    @torch.no_grad()
+    def reset(self, prompt: list[int], features: torch.Tensor | None, hidden: torch.Tensor | None) -> None:
+        """The history is the prompt, its last token (the first root) last."""
+        tokens = torch.tensor(prompt[-self.history.shape[0]:], dtype=torch.long, device=self.device)
+        self.history.fill_(-1)
+        self.history[:tokens.shape[0]] = tokens
+        self.length.fill_(tokens.shape[0])
+
+    @torch.no_grad()
+    def observe(self, spec: GraphedSpec) -> None:
+        """Append the accepted drafts and the bonus token (the next root) to the history."""
+        result = spec.result
+        a, bonus, path = result[:1], result[2:3], result[3:]
+        drafted = spec.tokens[0].index_select(0, path)             # path[0] is the root: shift by one
+        j = torch.arange(path.shape[0], device=path.device)
+        new = torch.where(j < a, drafted.roll(-1), bonus)
+        history, length = ngram.append(self.history, self.length, new, a + 1)
+        self.history.copy_(history)
+        self.length.copy_(length)
+
+    @torch.no_grad()
+    def grow(self, root: torch.Tensor) -> GrownTree:
+        c, W, D = self.core, self.width, self.depth
+        tokens, valid, score = ngram.continuations(self.history, self.length, max_ngram=c.max_ngram,
+                                                   min_ngram=c.min_ngram, width=W, depth=D, pool=c.pool,
+                                                   order=c.order)
+        node_tokens, parents, is_real = ngram.trie(tokens, valid)
+        weight = _trie_weights(tokens, valid, score)                              # [1 + W*D]
+        kids = _children_by_weight(parents, is_real, weight, W)                  # [1 + W*D, W]
+
+        def rows(d: int, frontier: Frontier):
+            child = kids.index_select(0, frontier.rank)                          # [F, W]
+            here = weight.index_select(0, frontier.rank)[:, None]
+            got = child >= 0
+            w = weight.index_select(0, child.clamp(min=0).reshape(-1)).view(child.shape)
+            lp = torch.where(got, (w / here.clamp_min(1e-30)).clamp_min(1e-30).log(), float("-inf"))
+            toks = node_tokens.index_select(0, child.clamp(min=0).reshape(-1)).view(child.shape)
+            return toks, lp, child.clamp(min=0)
+
+        return grow_tree(root, rows, depth=D, shape=self.shape, top_k=W, budget=self.budget,
+                         prune_tau=self.prune_tau)
+
+    @torch.no_grad()
+    def propose(self, spec: GraphedSpec) -> None:
+        grown = self.grow(spec.state.root)
+        spec.tokens[0, 1:].copy_(grown.tokens[1:])
+        if self.dynamic:
+            spec.topo.rebuild(grown.parents)
+        row = spec.state.log.row(spec.state.step)
+        spec.state.log.draft_logp.index_copy_(0, row, _pad(grown.logp, spec.state.log.nodes)[None])
+
+    def draft(self, spec: GraphedSpec) -> None:
+        self.observe(spec)
+        self.propose(spec)
+
+    def details(self, start: int, stop: int) -> list[dict]:
+        return [{"drafter": "ngram"} for _ in range(stop - start)]
+
+
+def _trie_weights(tokens: torch.Tensor, valid: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+    """Each trie node's weight: the softmax(score) weights of the rows through it (the root:
+    of every row with a token), as `specla.drafters.ngram._trie_rows` computes them."""
+    W, D = tokens.shape
+    valid = valid.long().cumprod(-1).bool()
+    finite = torch.isfinite(score)
+    top = torch.where(finite, score, float("-inf")).max()
+    row_w = torch.where(finite, (score - torch.where(torch.isfinite(top), top, 0.0)).exp(), 0.0)
+    agree = (tokens[:, None, :] == tokens[None, :, :]) & valid[:, None, :] & valid[None, :, :]
+    same = agree.long().cumprod(-1).bool()                                        # [w, w', d]
+    node = (same.float() * row_w[None, :, None]).sum(1)                           # [W, D]
+    root = (row_w * valid[:, 0].float()).sum().view(1)
+    return torch.cat([root, node.flatten()])
+
+
+def _children_by_weight(parents: torch.Tensor, is_real: torch.Tensor, weight: torch.Tensor,
+                        width: int) -> torch.Tensor:
+    """[N, width] the real children of every trie node, heaviest first (then by index); -1
+    where there are fewer."""
+    n = parents.shape[0]
+    nodes = torch.arange(n, device=parents.device)
+    sib = (parents[:, None] == parents[None, :]) & is_real[:, None] & is_real[None, :] & (nodes[:, None] > 0)
+    ahead = (weight[None, :] > weight[:, None]) | ((weight[None, :] == weight[:, None]) & (nodes[None, :] < nodes[:, None]))
+    rank = (sib & ahead).sum(1)
+    keep = is_real & (nodes > 0) & (rank < width)
+    slot = torch.where(keep, parents.clamp(min=0) * width + rank, n * width)
+    flat = torch.full((n * width + 1,), -1, dtype=torch.long, device=parents.device)
+    flat.index_copy_(0, slot, torch.where(keep, nodes, -1))
+    return flat[:-1].view(n, width)
+
+
 def _pad(x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(n - x.shape[0])]) if x.shape[0] < n else x
 
 
 def device_drafter_for(drafter, settings: DraftSettings, compile: bool = False,
-                       fused_head: bool | None = None, check_only: bool = False):
+                       fused_head: bool | None = None, check_only: bool = False, device=None):
     """(the device twin of a host drafter for these settings, None), or (None, why not).
     With check_only, nothing is built: (None, None) means it can be."""
     if isinstance(drafter, EagleDrafter):
@@ -473,6 +599,12 @@ def device_drafter_for(drafter, settings: DraftSettings, compile: bool = False,
         if why is not None or check_only:
             return None, why
         return DeviceEagleDrafter(drafter, settings, compile), None
+    if isinstance(drafter, NgramDrafter):
+        why = None if settings.tree == "chain" or settings.budget + 1 <= 128 else \
+            f"a tree of {settings.budget} nodes (the tree kernels hold 127)"
+        if why is not None or check_only:
+            return None, why
+        return DeviceNgramDrafter(drafter, settings, drafter.device if device is None else device), None
     if not isinstance(drafter, BlockDrafter):
         name = getattr(drafter, "name", type(drafter).__name__)
         return None, f"the {name} drafter has no device version yet"
@@ -495,4 +627,4 @@ def _block_limits(drafter: BlockDrafter, settings: DraftSettings) -> str | None:
     return None
 
 
-__all__ = ["DeviceBlockDrafter", "DeviceEagleDrafter", "device_drafter_for"]
+__all__ = ["DeviceBlockDrafter", "DeviceEagleDrafter", "DeviceNgramDrafter", "device_drafter_for"]

@@ -37,7 +37,8 @@ class Frontier:
 
 
 # rows(depth, frontier) -> the children of each frontier node, best first: tokens [F, k],
-# conditional log-probs [F, k], each child's rank in its row [F, k]
+# conditional log-probs [F, k] (-inf: no such child), each child's rank in its row [F, k] (or
+# any id the rows want back in the frontier)
 Rows = Callable[[int, Frontier], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
@@ -92,7 +93,7 @@ def grow_tree(root: torch.Tensor, rows: Rows, *, depth: int, shape: str, top_k: 
         frontier = Frontier(f_idx, f_rank, pool_tok.index_select(0, f_idx), pool_parent.index_select(0, f_idx),
                             f_alive)
         tok, lp, rank = (x[:, :c] for x in rows(d, frontier))
-        alive = f_alive[:, None].expand(F, c)
+        alive = f_alive[:, None].expand(F, c) & (lp > float("-inf"))      # -inf: no such child
         score = torch.where(alive, f_score[:, None] + lp, neg)
         base = 1 + d * F * c
         idx = base + torch.arange(F * c, device=dev)
