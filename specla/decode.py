@@ -189,7 +189,7 @@ def speculative_steps(target: GDNForCausalLM, drafter: Drafter, prompt: list[int
         record = StepRecord(
             index=index, tree=tree, acceptance=acc, mode=mode,
             draft_probs=_draft_probs(tree),
-            target_probs=_target_probs(tree, logits, settings),
+            target_probs=target_probs(tree, logits, settings.temperature),
             commit=commit_info(target.config, out.factors.conv_in.dtype, len(tree), len(acc.path),
                                pending_before, settings.deferred),
             times_ms=timer.times, details=draft.details, new_tokens=new_tokens)
@@ -210,8 +210,10 @@ def _draft_probs(tree: DraftTree) -> list[float]:
     return torch.tensor(tree.logprobs).exp().tolist()   # one op, not one per node
 
 
-def _target_probs(tree: DraftTree, logits: torch.Tensor, settings: DecodeSettings) -> list[float]:
-    temperature = settings.temperature if settings.temperature > 0 else 1.0
+def target_probs(tree: DraftTree, logits: torch.Tensor, temperature: float) -> list[float]:
+    """The target's probability of each node's token at its parent (the root: 1), at the
+    sampling temperature (1 when greedy)."""
+    temperature = temperature if temperature > 0 else 1.0
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     parents = torch.tensor([max(p, 0) for p in tree.parents], device=logits.device)
     tokens = torch.tensor(tree.tokens, device=logits.device)

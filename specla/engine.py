@@ -298,10 +298,10 @@ class Engine:
         acceptance alpha, realigned wherever the target leaves it (a bf16 near-tie), first
         calibrated step by step, then replayed and timed with events per phase (the bench's
         oracle rows, step by step)."""
-        from specla.graphs.decoders import GraphedStep
+        from specla.graphs.decoders import logged_steps
         from specla.graphs.oracle import oracle_calibrate
         from specla.graphs.runtime import PhaseClock
-        from specla.graphs.spec import PHASES, StepOutcome
+        from specla.graphs.spec import replay_phases
 
         n = settings.max_new_tokens
         run = self._oracle_decoder(oracle, settings, draft_settings)
@@ -316,19 +316,8 @@ class Engine:
         spec.draft()
         clock.mark()
         draft_ms = clock.read()[0]
-        clock.restart()
-        for _ in range(steps):
-            for phase in PHASES:
-                spec.run(phase)
-                clock.mark()
-        gaps = clock.read()
-        logged = st.log.read(0, steps)
-        for i in range(steps):
-            tree = DraftTree(logged.tokens[i][:spec.topo.n], [-1] + logged.parents[i][1:spec.topo.n])
-            times = {"draft": draft_ms, "verify": gaps[3 * i], "accept": gaps[3 * i + 1]}
-            draft_ms = gaps[3 * i + 2]
-            yield GraphedStep(tree, StepOutcome.unpack(logged.result[i]), logged.choice[i][:len(tree)],
-                              logged.target_prob[i][:len(tree)], times, {"drafter": "oracle"}, spec.mode)
+        times = replay_phases(spec, steps, clock)
+        yield from logged_steps(st.log, 0, times, draft_ms, [{"drafter": "oracle"}] * steps, spec.mode)
 
     def _oracle_decoder(self, oracle, settings: DecodeSettings, draft_settings: DraftSettings) -> dict:
         """The captured oracle step for these settings: a chain of `budget` drafts, or levels

@@ -26,10 +26,11 @@ from typing import Iterator
 import torch
 
 from specla.accept import accept_sampling
+from specla.decode import target_probs
 from specla.drafters.base import Accepted, DraftContext, DraftSettings
 from specla.graphs.buckets import bucket, max_path_for, padded_nodes
 from specla.graphs.runtime import PackedTarget, PhaseClock, StaticState, capture, sync
-from specla.graphs.spec import PHASES, GraphedSpec, SpecState, StepOutcome
+from specla.graphs.spec import GraphedSpec, SpecState, StepOutcome, replay_phases
 from specla.tree import DraftTree
 
 MAX_BATCH = 64          # device-drafted steps replayed between two readbacks
@@ -165,21 +166,12 @@ class GraphedDecoder:
         done, produced = 0, 0
         while produced < n:
             batch = min(MAX_BATCH, max(1, (n - produced) // P))
-            clock.restart()
-            for _ in range(batch):
-                for phase in PHASES:
-                    spec.run(phase)
-                    clock.mark()
-            gaps = clock.read()
-            logged = st.log.read(done, done + batch)
-            details = self.drafter.details(done, done + batch)
-            for i in range(batch):
-                verify_ms, accept_ms, next_draft_ms = gaps[3 * i:3 * i + 3]
-                step = _from_log(logged, i, {"draft": draft_ms, "verify": verify_ms, "accept": accept_ms},
-                                 details[i], spec.mode)
-                draft_ms = next_draft_ms
+            times = replay_phases(spec, batch, clock)
+            for step in logged_steps(st.log, done, times, draft_ms, self.drafter.details(done, done + batch),
+                                     spec.mode):
                 produced += step.outcome.accepted + 1
                 yield step
+            draft_ms = times[-1][2]
             done += batch
 
     def _host_steps(self, prompt: list[int], n: int) -> Iterator[GraphedStep]:
@@ -208,7 +200,7 @@ class GraphedDecoder:
                 acc = accept_sampling(draft.tree, logits, self.sampling.temperature, self.sampling.top_p,
                                       draft.proposal, gen)
                 spec.set_outcome(StepOutcome(len(acc.path) - 1, acc.path[-1], acc.bonus, acc.path))
-                host_probs = _target_probs(draft.tree, logits, self.sampling.temperature)
+                host_probs = target_probs(draft.tree, logits, self.sampling.temperature)
             spec.run("accept")
             logged = st.log.read(index, index + 1)
             t3 = time.perf_counter()
@@ -248,6 +240,16 @@ class GraphedDecoder:
         return self.state.folded_copy()
 
 
+def logged_steps(log, start: int, times: list[tuple[float, float, float]], draft_ms: float,
+                 details: list[dict], mode: str) -> list[GraphedStep]:
+    """Steps start.. of a step log, with their phase times from `replay_phases` (each step's
+    draft was timed at the end of the step before; the first one's is `draft_ms`)."""
+    logged = log.read(start, start + len(times))
+    drafts = [draft_ms] + [t[2] for t in times[:-1]]
+    return [_from_log(logged, i, {"draft": drafts[i], "verify": t[0], "accept": t[1]}, details[i], mode)
+            for i, t in enumerate(times)]
+
+
 def _from_log(logged, i: int, times_ms: dict, details: dict, mode: str,
               tree: DraftTree | None = None) -> GraphedStep:
     """Step i of a batch of log rows; dummy nodes (token -1) dropped (they are always last)."""
@@ -259,12 +261,3 @@ def _from_log(logged, i: int, times_ms: dict, details: dict, mode: str,
         tree = DraftTree(tokens[:n], [-1] + parents[1:n], logprobs=logp)
     n = len(tree)
     return GraphedStep(tree, outcome, logged.choice[i][:n], logged.target_prob[i][:n], times_ms, details, mode)
-
-
-def _target_probs(tree: DraftTree, logits: torch.Tensor, temperature: float) -> list[float]:
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    parents = torch.tensor([max(p, 0) for p in tree.parents], device=logits.device)
-    tokens = torch.tensor(tree.tokens, device=logits.device)
-    out = probs[parents, tokens].tolist()
-    out[0] = 1.0
-    return out

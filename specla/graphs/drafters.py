@@ -42,7 +42,40 @@ from specla.graphs.trees import (Frontier, GrownTree, conditional_rows, frontier
 from specla.tree import DraftTree
 
 
-class DeviceBlockDrafter:
+class _DeviceDrafter:
+    """What the device drafters share: the draft shape the step graphs are captured with, and
+    writing each step's draft into the step (tokens, topology, proposal rows, log-probs)."""
+
+    shape: str
+    nodes: int
+    dynamic: bool
+
+    def template(self) -> DraftTree:
+        """A chain, or a tree of `nodes` nodes (its parents rewritten on the device each step)."""
+        if self.shape == "chain":
+            return DraftTree.chain([0] * self.nodes)
+        return DraftTree([0] * self.nodes, [-1] + [0] * (self.nodes - 1))
+
+    def bind(self, log: StepLog) -> None:
+        self.step_log = log
+
+    def write(self, spec: GraphedSpec, grown: GrownTree, proposal: torch.Tensor | None = None) -> None:
+        """The next step's draft into `spec`, and its log-probs into the step log's row."""
+        if proposal is not None:
+            spec.proposal[1:].copy_(proposal[:spec.proposal.shape[0] - 1])
+        spec.tokens[0, 1:].copy_(grown.tokens[1:])
+        if self.dynamic:
+            spec.topo.rebuild(grown.parents)
+        row = spec.state.log.row(spec.state.step)
+        spec.state.log.draft_logp.index_copy_(0, row, _pad(grown.logp, spec.state.log.nodes)[None])
+
+    def draft(self, spec: GraphedSpec) -> None:
+        """`GraphedSpec`'s draft phase, right after `accept`: learn the accepted path, draft."""
+        self.observe(spec)
+        self.propose(spec)
+
+
+class DeviceBlockDrafter(_DeviceDrafter):
     """A loaded `BlockDrafter` / `LiLiCorrDrafter` drafting from static device buffers.
 
     The settings are the host drafter's (`DraftSettings`): tree shape, top-k, node budget,
@@ -119,17 +152,10 @@ class DeviceBlockDrafter:
             raise ValueError(f"the fused LiLiCorr head cannot run here: {why}")
         return None
 
-    def template(self) -> DraftTree:
-        """The draft shape the step graph is captured with: a chain, or a tree of `nodes`
-        nodes (its parents are rewritten on the device every step)."""
-        if self.shape == "chain":
-            return DraftTree.chain([0] * self.nodes)
-        return DraftTree([0] * self.nodes, [-1] + [0] * (self.nodes - 1))
-
     def bind(self, log: StepLog) -> None:
         """This drafter's per-step log: the slot candidates (and LiLiCorr's scores and walk)."""
+        super().bind(log)
         S, k, dev = self.slots, self.top_k, self.device
-        self.step_log = log
         self.log = {"cand": torch.zeros(log.steps, S, k, dtype=torch.long, device=dev),
                     "cand_logp": torch.zeros(log.steps, S, k, device=dev)}
         if self.lilicorr:
@@ -271,24 +297,16 @@ class DeviceBlockDrafter:
         """Draft the next step after the spec's root into `spec.tokens` (and its topology)."""
         root = spec.state.root
         scores = self.scores(root)
+        q = None
         if self.samples_chains:
             grown, q = self.sampled_chain(root, scores.pop("logits"), scores)
-            spec.proposal[1:].copy_(q[:spec.proposal.shape[0] - 1])
         else:
             scores.pop("logits")
             grown = self._choose(root, scores)
-        spec.tokens[0, 1:].copy_(grown.tokens[1:])
-        if self.dynamic:
-            spec.topo.rebuild(grown.parents)
+        self.write(spec, grown, q)
         row = spec.state.log.row(spec.state.step)
-        spec.state.log.draft_logp.index_copy_(0, row, _pad(grown.logp, spec.state.log.nodes)[None])
         for name, buf in self.log.items():
             buf.index_copy_(0, row, scores[name][None].to(buf.dtype))
-
-    def draft(self, spec: GraphedSpec) -> None:
-        """`GraphedSpec`'s draft phase, right after `accept`: learn the accepted path, draft."""
-        self.observe(spec)
-        self.propose(spec)
 
     # -- the trace --------------------------------------------------------------------------
     def details(self, start: int, stop: int) -> list[dict]:
@@ -307,7 +325,7 @@ class DeviceBlockDrafter:
         return out
 
 
-class DeviceEagleDrafter:
+class DeviceEagleDrafter(_DeviceDrafter):
     """A loaded `EagleDrafter` drafting greedy chains and trees from static device buffers:
     `EagleDrafter.propose` (its `_TreeSearch` over `tree_build`) as tensor ops."""
 
@@ -338,14 +356,6 @@ class DeviceEagleDrafter:
         wrap = (lambda fn: torch.compile(fn, dynamic=False)) if compile else (lambda fn: fn)
         self._observe_rows = wrap(self.observe_rows)
         self._grow = wrap(self.grow)
-
-    def template(self) -> DraftTree:
-        if self.shape == "chain":
-            return DraftTree.chain([0] * self.nodes)
-        return DraftTree([0] * self.nodes, [-1] + [0] * (self.nodes - 1))
-
-    def bind(self, log: StepLog) -> None:
-        self.step_log = log
 
     def buffers(self) -> list[torch.Tensor]:
         return [self.ctx_k, self.ctx_v, self.valid, self.h_last]
@@ -444,24 +454,13 @@ class DeviceEagleDrafter:
 
     @torch.no_grad()
     def propose(self, spec: GraphedSpec) -> None:
-        grown, q = self._grow(spec.state.root)
-        if q is not None:
-            spec.proposal[1:].copy_(q[:spec.proposal.shape[0] - 1])
-        spec.tokens[0, 1:].copy_(grown.tokens[1:])
-        if self.dynamic:
-            spec.topo.rebuild(grown.parents)
-        row = spec.state.log.row(spec.state.step)
-        spec.state.log.draft_logp.index_copy_(0, row, _pad(grown.logp, spec.state.log.nodes)[None])
-
-    def draft(self, spec: GraphedSpec) -> None:
-        self.observe(spec)
-        self.propose(spec)
+        self.write(spec, *self._grow(spec.state.root))
 
     def details(self, start: int, stop: int) -> list[dict]:
         return [{"drafter": "eagle"} for _ in range(stop - start)]
 
 
-class DeviceNgramDrafter:
+class DeviceNgramDrafter(_DeviceDrafter):
     """The model-free n-gram drafter inside the step graphs: `specla.drafters.ngram`'s tensor
     core over a device history buffer, and the tree `NgramDrafter.propose` grows over the
     trie of its continuations (`grow_tree` with the trie's children, heaviest first)."""
@@ -483,14 +482,6 @@ class DeviceNgramDrafter:
         self.history = torch.full((drafter.capacity,), -1, dtype=torch.long, device=self.device)
         self.length = torch.zeros(1, dtype=torch.long, device=self.device)
         self.compiled = False
-
-    def template(self) -> DraftTree:
-        if self.shape == "chain":
-            return DraftTree.chain([0] * self.nodes)
-        return DraftTree([0] * self.nodes, [-1] + [0] * (self.nodes - 1))
-
-    def bind(self, log: StepLog) -> None:
-        self.step_log = log
 
     def buffers(self) -> list[torch.Tensor]:
         return [self.history, self.length]
@@ -539,16 +530,7 @@ class DeviceNgramDrafter:
 
     @torch.no_grad()
     def propose(self, spec: GraphedSpec) -> None:
-        grown = self.grow(spec.state.root)
-        spec.tokens[0, 1:].copy_(grown.tokens[1:])
-        if self.dynamic:
-            spec.topo.rebuild(grown.parents)
-        row = spec.state.log.row(spec.state.step)
-        spec.state.log.draft_logp.index_copy_(0, row, _pad(grown.logp, spec.state.log.nodes)[None])
-
-    def draft(self, spec: GraphedSpec) -> None:
-        self.observe(spec)
-        self.propose(spec)
+        self.write(spec, self.grow(spec.state.root))
 
     def details(self, start: int, stop: int) -> list[dict]:
         return [{"drafter": "ngram"} for _ in range(stop - start)]

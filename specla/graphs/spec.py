@@ -515,19 +515,26 @@ class GraphedSpec:
                                        dtype=torch.long))
 
 
-@torch.no_grad()
-def phase_times(spec: GraphedSpec, steps: int) -> dict:
-    """Milliseconds per step of each phase (verify, accept_commit, draft) over `steps` steps
-    from the spec's current state: the phase graphs replayed with CUDA events between them
-    (host time when eager)."""
-    clock = PhaseClock(spec.rt.device)
+def replay_phases(spec: GraphedSpec, steps: int, clock: PhaseClock) -> list[tuple[float, float, float]]:
+    """Replay `steps` steps phase by phase with a mark after each; per step the milliseconds
+    of (verify, accept, draft), the draft being the next step's."""
+    clock.restart()
     for _ in range(steps):
         for phase in PHASES:
             spec.run(phase)
             clock.mark()
     gaps = clock.read()
+    return [tuple(gaps[3 * i:3 * i + 3]) for i in range(steps)]
+
+
+@torch.no_grad()
+def phase_times(spec: GraphedSpec, steps: int) -> dict:
+    """Milliseconds per step of each phase (verify, accept_commit, draft) over `steps` steps
+    from the spec's current state: the phase graphs replayed with CUDA events between them
+    (host time when eager)."""
+    times = replay_phases(spec, steps, PhaseClock(spec.rt.device))
     names = ("verify", "accept_commit", "draft")
-    return {name: sum(gaps[i::3]) / max(steps, 1) for i, name in enumerate(names)}
+    return {name: sum(t[i] for t in times) / max(steps, 1) for i, name in enumerate(names)}
 
 
 @torch.no_grad()
