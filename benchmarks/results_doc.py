@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any, Callable
 
@@ -149,7 +150,57 @@ def render_training(data: dict) -> list[str] | None:
                                       for k, v in found]) + [""]
 
 
-RENDERERS = (render_runs, render_exactness, render_runtime, render_training)
+def render_sets(data: dict) -> list[str] | None:
+    """Rows measured on several prompt sets (run_acceptance.py): tau (and the speedup) per set."""
+    rows, sets = data.get("rows"), data.get("sets")
+    if not (isinstance(rows, list) and rows and isinstance(sets, dict)
+            and all(isinstance(r, dict) and isinstance(r.get("sets"), dict) for r in rows)):
+        return None
+    names = list(sets)
+    speed = any("speedup" in (r["sets"].get(n) or {}) for r in rows for n in names)
+    header = ["row", "top-k, budget"] + [f"{n} tau" for n in names]
+    header += [f"{n} speedup" for n in names] if speed else []
+    header += ["exact"]
+    body = []
+    for r in rows:
+        opts = r.get("options") or []
+        label = " / ".join(str(r[k]) for k in ("drafter", "tree") if k in r)
+        label += f" ({', '.join(f'{k}={v}' for k, v in (opts.items() if isinstance(opts, dict) else []))})" \
+            if isinstance(opts, dict) and opts else ""
+        cells = [label, f"{r.get('top_k')}, {r.get('budget')}"]
+        cells += [fmt((r["sets"].get(n) or {}).get("tau"), 3) for n in names]
+        if speed:
+            cells += [fmt((r["sets"].get(n) or {}).get("speedup"), 2, "x") for n in names]
+        bad = sum((r["sets"].get(n) or {}).get("mismatching_prompts") or 0 for n in names)
+        cells.append("yes" if bad == 0 else f"no ({bad})")
+        body.append(cells)
+    return table(header, body) + ["", "Prompt sets: " + ", ".join(f"{n} ({k} prompts)" for n, k in sets.items())
+                                  + ".", ""]
+
+
+def render_app_vs_bench(data: dict) -> list[str] | None:
+    """The app driven over HTTP against the bench's rows for the same settings."""
+    cases = data.get("cases")
+    if not (isinstance(cases, dict) and cases and all(isinstance(c, dict) for c in cases.values())):
+        return None
+    def mid(values: Any) -> float | None:
+        values = [v for v in values or [] if isinstance(v, (int, float))]
+        return statistics.median(values) if values else None
+
+    body = []
+    for name, c in cases.items():
+        body.append([name, fmt(mid(c.get("app_speedups")), 2, "x"), fmt(c.get("bench_speedup"), 2, "x"),
+                     fmt(c.get("app_over_bench_speedup"), 3), fmt(mid(c.get("app_ar_tokens_per_s")), 0),
+                     fmt(c.get("bench_ar_tokens_per_s"), 0), fmt(mid(c.get("app_tau")), 2),
+                     fmt(mid(c.get("seconds_to_first_step")), 2)])
+    header = ["case", "app speedup", "bench speedup", "app / bench", "app AR tokens/s", "bench AR tokens/s",
+              "tau", "s to first step (median)"]
+    lines = [f"{data.get('prompts')} prompts of `{Path(str(data.get('prompt_file'))).name}` x "
+             f"{data.get('new_tokens')} tokens.", ""]
+    return lines + table(header, body) + [""]
+
+
+RENDERERS = (render_app_vs_bench, render_sets, render_runs, render_exactness, render_runtime, render_training)
 
 
 def render_file(path: Path, root: Path) -> tuple[list[str], bool]:
