@@ -1,4 +1,4 @@
-"""Fixtures shared by the app tests."""
+"""Fixtures shared by the tests."""
 import pytest
 import torch
 

@@ -16,12 +16,7 @@ from specla.decode import DecodeSettings, ar_generate
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")     # tiny models: two threads thrash a small CPU
 
 
 def fla_checkpoint(folder: Path, vocab: int, tokenizer_dir: Path) -> Path:

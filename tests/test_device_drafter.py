@@ -41,12 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NEAR_TIE = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")     # tiny models: two threads thrash a small CPU
 
 
 def pair(kind: str, device: str = "cpu", vocab: int = 128, seed: int = 1):

@@ -13,13 +13,7 @@ from specla.drafters.ngram import NgramDrafter, append, continuations, trie
 from tests.helpers import random_target
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one thread (two thrash on a small CPU, ~30x slower here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")     # tiny models: two threads thrash a small CPU
 
 
 # ---------------------------------------------------------------- plain-Python references
