@@ -379,7 +379,7 @@ def slot_weights(num_slots: int, gamma: float, device=None) -> torch.Tensor:
 
 
 def default_gamma(block_size: int) -> float:
-    """gamma 7 for B=16 and 4 for B=8 (DESIGN.md), interpolated linearly in between."""
+    """gamma 7 for B=16 and 4 for B=8 (DFlash's choices), interpolated linearly in between."""
     return max(1.0, 4.0 + (block_size - 8) * 3.0 / 8.0)
 
 

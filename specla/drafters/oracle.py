@@ -3,8 +3,8 @@
 `OracleDrafter` proposes the target's own greedy continuation and corrupts each drafted
 token with probability 1 - alpha, so the engine can be measured at a controlled acceptance
 on a random-weight model of any size. Trees put the true token among `top_k` siblings with
-probability alpha. `RandomTreeDrafter` shapes random trees (for exactness tests).
-Neither is a real drafter: they exist to measure and to test the engine.
+probability alpha; shape 'random' draws random trees (for exactness tests). It is not
+a real drafter: it exists to measure and to test the engine.
 """
 from __future__ import annotations
 
