@@ -193,10 +193,10 @@ def render_speedup(report: dict) -> str:
     """The Markdown report of a --speedup run: tau, times and speedup per row and set."""
     names = list(report["sets"])
     lines = [f"# CPU speedup over AR, {report['max_new_tokens']} new tokens, temperature 0", "",
-             f"`{report['command']}` at commit {report['commit']}; {report['device']}; the eager loop "
-             f"(`specla.decode`), each prompt decoded {report['repeats']} times with AR and speculation "
-             "alternating, the fastest run of each kept; ms/token is the median over prompts, the "
-             "speedup the ratio of the medians; every run checked token for token against AR.", "",
+             f"`{report['command']}` at commit {report['commit']}; {report['device']}; measured as the "
+             "app measures (`specla.runner.run`: AR and speculation alternating three times, the fastest "
+             "run of each kept); ms/token is the median over prompts, the speedup the ratio of the "
+             "medians; every run checked token for token against AR.", "",
              "Prompt sets: " + ", ".join(f"{n} ({k} prompts)" for n, k in report["sets"].items()) + ".", "",
              "| drafter | tree | top-k | budget | options | " + " | ".join(
                  f"{n}: tau | ms/token | AR ms/token | speedup" for n in names) + " | mismatching prompts |",

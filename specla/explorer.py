@@ -337,10 +337,7 @@ class Explorer:
                prune_tau: float = 0.0, mode: str = "auto", deferred: bool = True, temperature: float = 0.0,
                top_p: float = 1.0, max_new_tokens: int = 64, seed: int = 0) -> Iterator[tuple]:
         """Decode `prompt` with these settings; stream the views; the last output is complete."""
-        settings = self._settings(drafter=drafter, oracle_alpha=oracle_alpha, tree=tree, paths=paths,
-                                  top_k=top_k, block_size=block_size, depth=depth, budget=budget,
-                                  prune_tau=prune_tau, mode=mode, deferred=deferred, temperature=temperature,
-                                  top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
+        settings = self._settings(**{name: value for name, value in locals().items() if name in CONTROLS})
         runner.encode_prompt(self.runtime, runner.clean_prompt(prompt))   # fail fast, before the model work
         # the kept trace is cleared here, so a Stop before the first step keeps nothing stale
         yield ((f"Measuring the AR baseline on {self.hardware}, then decoding…",) + (gr.skip(),) * (N_VIEWS - 3)
@@ -365,10 +362,7 @@ class Explorer:
                 prune_tau: float = 0.0, mode: str = "auto", deferred: bool = True, temperature: float = 0.0,
                 top_p: float = 1.0, max_new_tokens: int = 64, seed: int = 0) -> Iterator[tuple]:
         """Reveal one more step of the session's run; the first click decodes the run in the background."""
-        settings = self._settings(drafter=drafter, oracle_alpha=oracle_alpha, tree=tree, paths=paths,
-                                  top_k=top_k, block_size=block_size, depth=depth, budget=budget,
-                                  prune_tau=prune_tau, mode=mode, deferred=deferred, temperature=temperature,
-                                  top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
+        settings = self._settings(**{name: value for name, value in locals().items() if name in CONTROLS})
         record = runner.settings_record(settings)
         same = (isinstance(trace, dict) and trace.get("prompt") == runner.clean_prompt(prompt)
                 and trace.get("settings") == record)
