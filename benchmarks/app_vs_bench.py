@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                 "app_tokens_per_s": [t["summary"]["tokens_per_s"] for t in traces],
                 "app_tau": [t["summary"]["tau"] for t in traces],
                 "app_engine": traces[0].get("engine"), "app_exactness": [t.get("exactness") for t in traces],
-                "seconds_to_first_step": latency}
+                "seconds_to_first_step": latency, "stages_ms": [t.get("latency_ms") for t in traces]}
             print(f"[app] {name}: speedup {median(result['cases'][name]['app_speedups']):.2f}x", flush=True)
             bench_case(result, name, texts, args)
             save(args.out, result)

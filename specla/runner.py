@@ -520,6 +520,7 @@ def run(runtime: Runtime, prompt: str, settings: dict | None = None) -> Iterator
     AR and speculation alternate three times and the fastest of each counts (a shared CPU
     moves single runs by 20%); the trace keeps every pair's speedup as the spread.
     """
+    clock = _StageClock()
     s = normalize_settings(runtime, settings)
     prompt = clean_prompt(prompt)
     tokens = encode_prompt(runtime, prompt)
@@ -530,10 +531,12 @@ def run(runtime: Runtime, prompt: str, settings: dict | None = None) -> Iterator
            f"on {hardware_name(runtime.device)}…")
     engine.ar(tokens, _decode_settings(s, runtime, min(4, s["max_new_tokens"])), eos)   # warm
     ar = engine.ar(tokens, decode, eos, repeats=3 if graphed else 1)
+    clock.stage("ar_baseline")
     drafter = _drafter_for_run(runtime, s, tokens, ar.tokens)
     if graphed:
         yield "Capturing the CUDA graphs for these settings (once per settings; not timed)…"
     capture_ms = _warm_speculation(engine, drafter, tokens, s, runtime, eos)
+    clock.stage("drafter_and_capture")
     plan = engine.plan(drafter, decode, _draft_settings(s))      # after the build: a failed capture shows
     model, record = runtime.model_info(), settings_record(s)
     engine_info = {"backend": plan.backend, "drafting": plan.drafting, "acceptance": plan.acceptance,
@@ -544,6 +547,7 @@ def run(runtime: Runtime, prompt: str, settings: dict | None = None) -> Iterator
         trace = tr.build_trace(model=model, settings=record, prompt=prompt, prompt_tokens=tokens, steps=steps,
                                decode=runtime.decode, seconds=seconds, baseline=baseline)
         trace["engine"] = dict(engine_info, graphs=engine.graphs)
+        trace["latency_ms"] = dict(clock.stages)
         trace.update(extra)
         spread = (extra.get("timing") or {}).get("speedup_spread")
         if spread:
@@ -558,7 +562,9 @@ def run(runtime: Runtime, prompt: str, settings: dict | None = None) -> Iterator
         steps.append(tr.step_to_dict(rec))
         seconds += rec.elapsed_ms / 1e3
         now = time.perf_counter()
-        if now - last_yield >= UPDATE_SECONDS:
+        if len(steps) == 1:
+            clock.stage("first_step")
+        if len(steps) == 1 or now - last_yield >= UPDATE_SECONDS:    # the first step is drawn at once
             last_yield = now
             yield make(list(steps), seconds, baseline)
         else:
@@ -567,12 +573,28 @@ def run(runtime: Runtime, prompt: str, settings: dict | None = None) -> Iterator
     if not graphed:
         seconds, baseline, extra["timing"] = yield from _alternate(engine, drafter, tokens, s, runtime, eos,
                                                                    ar, seconds, steps)
+    clock.stage("decode")
     spec_tokens = tr.output_tokens(steps)[0]
     extra["exactness"] = _exactness(engine, tokens, ar.tokens, spec_tokens, s)
+    clock.stage("exactness")
     yield make(steps, seconds, baseline, **extra)
 
 
 UPDATE_SECONDS = 0.25         # at most this often a partial trace is drawn while decoding
+
+
+class _StageClock:
+    """Wall milliseconds of a run's stages (host clock, each stage ending where the next
+    begins), kept in the trace so a slow first step can be traced to its stage."""
+
+    def __init__(self):
+        self.stages: dict[str, float] = {}
+        self.last = time.perf_counter()
+
+    def stage(self, name: str) -> None:
+        now = time.perf_counter()
+        self.stages[name] = round(1e3 * (now - self.last), 2)
+        self.last = now
 
 
 def _baseline(ms_per_token: float, tokens: int, runs: list[float]) -> dict:

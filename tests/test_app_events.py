@@ -98,6 +98,15 @@ def test_run_streams_partial_traces_then_the_complete_one(ex):
     json.dumps(trace)   # JSON-able: what gr.State and the export need
 
 
+def test_the_first_step_is_drawn_at_once_and_the_stages_are_timed(rt):
+    updates = [u for u in runner.run(rt, "def f(x):\n", {"drafter": runner.ORACLE, "max_new_tokens": 24})
+               if isinstance(u, dict)]
+    assert len(updates[1]["steps"]) == 1, "the first decoded step is drawn without waiting for the throttle"
+    stages = updates[-1]["latency_ms"]
+    assert list(stages) == ["ar_baseline", "drafter_and_capture", "first_step", "decode", "exactness"]
+    assert all(ms >= 0 for ms in stages.values())
+
+
 def test_greedy_output_equals_ar(rt):
     prompt = "x = [1, 2, 3]\n"
     trace = list(runner.run(rt, prompt, {"drafter": runner.ORACLE, "tree": "beam", "max_new_tokens": 20}))[-1]
