@@ -5,7 +5,7 @@
 # can read stale git metadata and record the wrong commit)
 # Stages: tests (pytest -m gpu), kernel-tests (tests/test_kernels.py on the GPU), runtime, kernels, e2e, e2e-quick,
 # app (benchmarks/app_vs_bench.py: the real app over HTTP against the bench's rows; options in APP_ARGS),
-# head (the LiLiCorr head's share of a GDN-1.3B-shape step; options in HEAD_ARGS), head-kernels (benchmarks/bench_lilicorr.py,
+# speedup (run_acceptance.py --speedup on the GPU, SPEEDUP_ROWS), head (the LiLiCorr head's share of a GDN-1.3B-shape step; options in HEAD_ARGS), head-kernels (benchmarks/bench_lilicorr.py,
 # its options in HEAD_KERNELS_ARGS), acceptance,
 # target (a second training stage of the embedded target from assets/target; needs data/corpus). Needs the
 # pure-Python wheels in .whl/ (see benchmarks/README.md). Results land in $OUT/results
@@ -45,6 +45,11 @@ for stage in "$@"; do
     e2e) bench e2e "${T_E2E:-520}" ${E2E_ARGS:-} ;;
     e2e-quick) bench e2e "${T_E2E:-200}" --quick ;;
     acceptance) bench acceptance "${T_ACCEPTANCE:-200}" ;;
+    speedup) # the model-free drafter beside the trained ones, on both prompt sets (needs data/corpus/*_prompts.jsonl)
+      timeout "${T_SPEEDUP:-240}" python3 benchmarks/run_acceptance.py --speedup --device cuda --limit 8 \
+        --max-new-tokens 128 --out "$R" --name speedup_h200 --rows ${SPEEDUP_ROWS:-ngram:chain:1:8:depth=8 \
+        ngram:best-first:4:16:depth=8 block:chain:1:7 lilicorr:chain:4:7 lilicorr:best-first:8:16} \
+        2>&1 | tee "$R/log_speedup.txt" ;;
     app) timeout "${T_APP:-540}" python3 benchmarks/app_vs_bench.py --out "$R" --app-args "--device cuda" ${APP_ARGS:-} \
            2>&1 | tee "$R/log_app_vs_bench.txt" ;;
     target) # the exported weights are too big for the results archive: they go to $OUT/target
