@@ -10,6 +10,7 @@ figures are built on the CPU side. Elsewhere the decorator is a no-op.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -57,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("specla").setLevel(logging.INFO)   # warnings, and each run's first-step latency
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda was asked for, but no CUDA GPU is available", file=sys.stderr)
         return 2

@@ -79,9 +79,11 @@ def app_run(client, prompt: str, settings: dict) -> tuple[dict, float | None]:
     kwargs = controls(client, settings)
     start = time.perf_counter()
     job = client.submit(prompt=prompt, **kwargs, api_name="/run")
-    first_step = None
+    first_step, timeline = None, []
     for update in job:
         status = update[0] if isinstance(update, (list, tuple)) else update
+        if isinstance(status, str) and (not timeline or timeline[-1][1] != status[:60]) and len(timeline) < 8:
+            timeline.append((round(time.perf_counter() - start, 3), status[:60]))   # when each status arrived
         shown = isinstance(status, str) and (re.search(r"Running\*\*: step [1-9]", status) or "**Done**" in status)
         if first_step is None and shown:
             first_step = time.perf_counter() - start
@@ -89,7 +91,9 @@ def app_run(client, prompt: str, settings: dict) -> tuple[dict, float | None]:
     exported = client.predict(api_name="/export")
     path = exported[0] if isinstance(exported, (list, tuple)) else exported
     path = path.get("value", path.get("path")) if isinstance(path, dict) else path
-    return json.loads(Path(path).read_text()), first_step
+    trace = json.loads(Path(path).read_text())
+    trace["client_timeline"] = timeline
+    return trace, first_step
 
 
 def median(xs):
@@ -132,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                 "app_tokens_per_s": [t["summary"]["tokens_per_s"] for t in traces],
                 "app_tau": [t["summary"]["tau"] for t in traces],
                 "app_engine": traces[0].get("engine"), "app_exactness": [t.get("exactness") for t in traces],
-                "seconds_to_first_step": latency, "stages_ms": [t.get("latency_ms") for t in traces]}
+                "seconds_to_first_step": latency, "stages_ms": [t.get("latency_ms") for t in traces],
+                "client_timelines": [t["client_timeline"] for t in traces]}
             print(f"[app] {name}: speedup {median(result['cases'][name]['app_speedups']):.2f}x", flush=True)
             bench_case(result, name, texts, args)
             save(args.out, result)

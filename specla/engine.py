@@ -148,7 +148,9 @@ class Engine:
             row = out.logits[0, 0].float()
         top2 = row.topk(2).values
         gap = float(row[ar_token] - row[tokens[position]])
-        noise = self.noise(prompt, tokens[:position])
+        # measured over the output's first tokens (`noise` takes up to 16), not only those before
+        # the divergence: one or two forced tokens can show no rounding difference at all
+        noise = self.noise(prompt, tokens)
         # each of the two logits moves by at most `noise` between the two paths: a flip needs
         # gap <= 2 x noise (the rule the bench's oracle rows use too)
         return {"position": position, "token": tokens[position], "ar_token": ar_token,

@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -337,6 +338,7 @@ class Explorer:
                prune_tau: float = 0.0, mode: str = "auto", deferred: bool = True, temperature: float = 0.0,
                top_p: float = 1.0, max_new_tokens: int = 64, seed: int = 0) -> Iterator[tuple]:
         """Decode `prompt` with these settings; stream the views; the last output is complete."""
+        started = time.perf_counter()
         settings = self._settings(**{name: value for name, value in locals().items() if name in CONTROLS})
         runner.encode_prompt(self.runtime, runner.clean_prompt(prompt))   # fail fast, before the model work
         # the kept trace is cleared here, so a Stop before the first step keeps nothing stale
@@ -350,7 +352,11 @@ class Explorer:
             if isinstance(update, str):     # a status line: measuring, capturing graphs
                 yield (update,) + SKIP_VIEWS[1:]
                 continue
+            first = trace is None or not trace["steps"]
             trace = snapshot(update)
+            if first and trace["steps"]:      # the server's side of the Run-to-first-step latency
+                log.info("first step drawn %.0f ms after Run (stages: %s)", 1e3 * (time.perf_counter() - started),
+                         trace.get("latency_ms"))
             yield self.views(trace, len(trace["steps"]) - 1, None, self._status(trace, settings, False))
         if trace is not None:   # complete again, so an API client's last output has every view
             yield self.views(trace, len(trace["steps"]) - 1, None, self._status(trace, settings, True))

@@ -8,6 +8,7 @@ them). The trained embedded pair is used where its assets exist, so drafts are a
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -242,17 +243,21 @@ def test_a_device_drafter_that_fails_falls_back_to_host_drafting(cpu_pair, monke
     assert plan.drafting == "host" and "no capture today" in plan.note
 
 
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("c++") is None, reason="torch.compile on the CPU needs a C++ compiler"))])
 @pytest.mark.parametrize("shape", ["chain", "best-first", "beam"])
-def test_device_ngram_drafter_equals_the_host_one(shape):
-    """The model-free drafter inside the step graphs (its tensor core over a device history)
-    takes the steps the host drafter takes: same trees, same accepted paths, output = AR's.
-    A target that repeats itself, so continuations are found and accepted."""
+def test_device_ngram_drafter_equals_the_host_one(shape, compiled):
+    """The model-free drafter inside the step graphs (its tensor core over a device history;
+    torch.compile'd as on the GPU, or not) takes the steps the host drafter takes: same trees,
+    same accepted paths, output = AR's. A target that repeats itself, so continuations are
+    found and accepted."""
     from specla.drafters import model_free_drafter
     from tests.helpers import random_target
 
     target = random_target(vocab=8, seed=3)           # a small vocabulary: it falls into loops
     drafter = model_free_drafter("ngram", target)
-    graphed, eager = Engine(target, "graphed", use_graph=False), Engine(target, "eager")
+    graphed = Engine(target, "graphed", use_graph=False, compile_drafter=compiled)
+    eager = Engine(target, "eager")
     settings = DecodeSettings(max_new_tokens=48)
     ds = DraftSettings(tree=shape, top_k=3, budget=8, depth=5)
     assert graphed.plan(drafter, settings, ds).drafting == "device"

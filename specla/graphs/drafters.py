@@ -467,7 +467,7 @@ class DeviceNgramDrafter(_DeviceDrafter):
 
     kind = "ngram"
 
-    def __init__(self, drafter: NgramDrafter, settings: DraftSettings, device):
+    def __init__(self, drafter: NgramDrafter, settings: DraftSettings, device, compile: bool = False):
         settings.validate(drafter.vocab_size)
         self.core = drafter
         self.feature_layers = ()
@@ -481,7 +481,12 @@ class DeviceNgramDrafter(_DeviceDrafter):
         self.device = torch.device(device)
         self.history = torch.full((drafter.capacity,), -1, dtype=torch.long, device=self.device)
         self.length = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.compiled = False
+        # the match, the trie and its weights are ~300 small kernels: torch.compile fuses them
+        # (as it does the block drafter's ops; the integer math is exact either way)
+        self.compiled = compile
+        wrap = (lambda fn: torch.compile(fn, dynamic=False)) if compile else (lambda fn: fn)
+        self._candidates = wrap(self.candidates)
+        self._append = wrap(ngram.append)
 
     def buffers(self) -> list[torch.Tensor]:
         return [self.history, self.length]
@@ -502,19 +507,25 @@ class DeviceNgramDrafter(_DeviceDrafter):
         drafted = spec.tokens[0].index_select(0, path)             # path[0] is the root: shift by one
         j = torch.arange(path.shape[0], device=path.device)
         new = torch.where(j < a, drafted.roll(-1), bonus)
-        history, length = ngram.append(self.history, self.length, new, a + 1)
+        history, length = self._append(self.history, self.length, new, a + 1)
         self.history.copy_(history)
         self.length.copy_(length)
 
-    @torch.no_grad()
-    def grow(self, root: torch.Tensor) -> GrownTree:
+    def candidates(self, history: torch.Tensor, length: torch.Tensor):
+        """The trie of the history's best continuations: node tokens, weights, and each
+        node's children heaviest first ([1 + W*D], [1 + W*D], [1 + W*D, W])."""
         c, W, D = self.core, self.width, self.depth
-        tokens, valid, score = ngram.continuations(self.history, self.length, max_ngram=c.max_ngram,
+        tokens, valid, score = ngram.continuations(history, length, max_ngram=c.max_ngram,
                                                    min_ngram=c.min_ngram, width=W, depth=D, pool=c.pool,
                                                    order=c.order)
         node_tokens, parents, is_real = ngram.trie(tokens, valid)
-        weight = _trie_weights(tokens, valid, score)                              # [1 + W*D]
-        kids = _children_by_weight(parents, is_real, weight, W)                  # [1 + W*D, W]
+        weight = _trie_weights(tokens, valid, score)
+        return node_tokens, weight, _children_by_weight(parents, is_real, weight, W)
+
+    @torch.no_grad()
+    def grow(self, root: torch.Tensor) -> GrownTree:
+        W, D = self.width, self.depth
+        node_tokens, weight, kids = self._candidates(self.history, self.length)
 
         def rows(d: int, frontier: Frontier):
             child = kids.index_select(0, frontier.rank)                          # [F, W]
@@ -586,7 +597,7 @@ def device_drafter_for(drafter, settings: DraftSettings, compile: bool = False,
             f"a tree of {settings.budget} nodes (the tree kernels hold 127)"
         if why is not None or check_only:
             return None, why
-        return DeviceNgramDrafter(drafter, settings, drafter.device if device is None else device), None
+        return DeviceNgramDrafter(drafter, settings, drafter.device if device is None else device, compile), None
     if not isinstance(drafter, BlockDrafter):
         name = getattr(drafter, "name", type(drafter).__name__)
         return None, f"the {name} drafter has no device version yet"
