@@ -226,7 +226,8 @@ def test_device_draft_decoder_equals_ar_greedy(kind, shape):
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="torch.compile on the CPU needs a C++ compiler")
 def test_compiled_block_draft_equals_the_uncompiled_one_on_cpu():
-    """`compile=True` (what the GPU uses to fuse the draft's ~300 kernels) runs the same math:
+    """`compile=True` (what the GPU uses to fuse the draft's ~300 kernels and the acceptance's
+    ~70) runs the same math:
     on the CPU (inductor's C++ backend) the decode equals AR and drafts exactly the chains the
     uncompiled drafter drafts, so the accept lengths agree step for step."""
     target, drafter = pair("block", vocab=16, seed=2)
@@ -241,6 +242,7 @@ def test_compiled_block_draft_equals_the_uncompiled_one_on_cpu():
         tokens, accepted, _ = decode(dec, prompt, n)
         assert tokens[:n] == ref
         runs[compiled] = accepted
+        assert dec.spec.compiled == compiled      # the acceptance phase is compiled with the draft
     assert dev.compiled and any(runs[True])
     assert runs[True] == runs[False]
 

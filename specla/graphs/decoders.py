@@ -88,7 +88,8 @@ class GraphedDecoder:
             self.spec = GraphedSpec(packed, self.state, template, mode="tree" if drafter.dynamic else mode,
                                     deferred=deferred, feature_layers=self.feature_layers,
                                     use_graph=self.use_graph, recurrence=recurrence, drafter=drafter,
-                                    sampling=None if sampling is None else (sampling.temperature, sampling.top_p))
+                                    sampling=None if sampling is None else (sampling.temperature, sampling.top_p),
+                                    compile=getattr(drafter, "compiled", False))
             self.first_graph = self._capture_first() if self.spec.use_graph else None
             self.capture_ms = 1e3 * (time.perf_counter() - t0)
         else:
