@@ -204,3 +204,21 @@ def test_targets_say_met_or_by_how_much_missed():
     assert "missed by a factor of 3.12" in text and "target 2.5x, best 3.10x (chain-8), met" in text
     e["pair"]["device"] = "cpu"
     assert report.targets(e)[1]["goal"] == 1.5
+
+
+def test_launch_counts_profiles_every_body_of_a_step(tmp_path, one_thread):
+    """benchmarks/launch_counts.py on the CPU: each body of a step is profiled (there its aten
+    ops are counted), and a verify of 8 nodes does more work than one AR step."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "launch_counts.py"
+    spec = importlib.util.spec_from_file_location("launch_counts", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--out", str(tmp_path), "--device", "cpu"]) == 0
+    result = json.loads((tmp_path / "launch_counts.json").read_text())
+    bodies = result["bodies"]
+    assert set(bodies) == {"ar_step", "draft", "verify", "accept"}     # the CPU captures nothing to compile
+    assert all(b["launches"] > 0 and b["top"] for b in bodies.values())
+    assert bodies["verify"]["kernel_us"] > bodies["ar_step"]["kernel_us"]
