@@ -111,6 +111,11 @@ def _check_inputs(q, k, v, g, beta, S0, pending) -> tuple[int, int, int, int, in
     return B, N, H, K, V, P
 
 
+def supports(K: int, V: int) -> bool:
+    """Whether the verify and commit kernels take key / value head dims K and V."""
+    return _is_pow2(K) and 16 <= K <= MAX_K and _is_pow2(V) and 16 <= V <= MAX_V
+
+
 def _contig(*ts):
     return [t.contiguous() for t in ts]
 
@@ -523,7 +528,7 @@ def commit(S: torch.Tensor, k: torch.Tensor, delta: torch.Tensor, g: torch.Tenso
             raise ValueError(f"commit: {name} has shape {tuple(t.shape)}, expected {shape}")
         if t.device != S.device:
             raise ValueError(f"commit: {name} is on {t.device} but S is on {S.device}")
-    if not _is_pow2(K) or not 16 <= K <= MAX_K or not _is_pow2(V) or not 16 <= V <= MAX_V:
+    if not supports(K, V):
         raise ValueError(f"commit: K={K} must be a power of two in [16, {MAX_K}] and V={V} "
                          f"one in [16, {MAX_V}]")
     if S.dtype != torch.float32:

@@ -75,6 +75,10 @@ class Engine:
         self.backend = resolve_backend(backend, self.device)
         self.use_graph = use_graph
         self.recurrence = recurrence
+        c = target.config
+        if recurrence == "kernels" and self.device.type == "cuda" and not _verify_kernels_take(c):
+            # the device-grown trees then read their topology through the torch recurrence
+            self.recurrence = "torch"
         self.compile_drafter = (self.device.type == "cuda") if compile_drafter is None else compile_drafter
         if self.compile_drafter:
             # every settings bucket compiles the same drafter methods for another instance:
@@ -90,6 +94,9 @@ class Engine:
             from specla.graphs.runtime import PackedTarget
             self.packed = PackedTarget(target, ops)
             self.ops_note = self.packed.ops_note
+            if self.recurrence != recurrence:
+                self.ops_note += (f"; the recurrence in torch ops (head dims {c.head_dim} / {c.head_v_dim} are "
+                                  "outside the verify kernels' powers of two from 16)")
         self._ar = None
         self._decoders: collections.OrderedDict = collections.OrderedDict()
         self.capture_ms = 0.0             # graph captures and compiles of the last decode's decoder
@@ -387,3 +394,8 @@ def _probs(tree: DraftTree) -> list[float]:
     if tree.logprobs is None:
         return [1.0] * len(tree)
     return torch.tensor(tree.logprobs).exp().tolist()
+
+
+def _verify_kernels_take(config) -> bool:
+    from kernels import triton_verify
+    return triton_verify.supports(config.head_dim, config.head_v_dim)

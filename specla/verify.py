@@ -52,7 +52,7 @@ def verify_layer(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     mode = resolve_mode(mode, topo, q.device.type)
     # The Triton kernels are inference-only; with autograd on (training our plain-torch model
     # on a GPU) the differentiable references run instead.
-    if q.is_cuda and _kernels_enabled and not torch.is_grad_enabled():
+    if kernels_apply(S0) and not torch.is_grad_enabled():
         from kernels import triton_verify  # imported lazily: CPU machines need no triton
         return triton_verify.verify(mode, q, k, v, g, beta, S0, topo, pending=pending)
     if pending is not None:
@@ -77,9 +77,18 @@ def _tree_masks(topo) -> reference.TreeMasks:
     return entry[1]
 
 
+def kernels_apply(S: torch.Tensor) -> bool:
+    """Whether the Triton kernels verify and commit a state S [B,H,K,V]: on CUDA, unless
+    switched off, for the head dims they take (a tiny model's K=8 runs the references)."""
+    if not (S.is_cuda and _kernels_enabled):
+        return False
+    from kernels import triton_verify
+    return triton_verify.supports(S.shape[-2], S.shape[-1])
+
+
 def commit_layer(S: torch.Tensor, k: torch.Tensor, delta: torch.Tensor, g: torch.Tensor) -> None:
     """Fold accepted factors (k [B,P,H,K], delta [B,P,H,V], g [B,P,H]) into S, in place."""
-    if S.is_cuda:
+    if kernels_apply(S):
         from kernels import triton_verify
         triton_verify.commit(S, k, delta, g)
     elif k.shape[1] > 1:

@@ -590,3 +590,19 @@ if __name__ == "__main__":
             sys.exit("set TRITON_INTERPRET=1 (before triton is imported) to run on the CPU")
         sys.exit(1 if run_interpreter_group(sys.argv[2]) else 0)
     sys.exit(f"usage: TRITON_INTERPRET=1 python {sys.argv[0]} --interpreter chain|tree|hybrid|commit|conv_gates|lilicorr")
+
+
+def test_head_dims_outside_the_kernels_run_the_references():
+    """The verify and commit kernels take powers of two from 16; the engine and `verify_layer`
+    route any other head dims (a tiny test model's 8) to the plain-torch references."""
+    from kernels import triton_verify
+    from specla.engine import _verify_kernels_take
+    from specla.verify import kernels_apply
+    from tests.helpers import random_target
+
+    assert triton_verify.supports(16, 16) and triton_verify.supports(64, 512)
+    assert not triton_verify.supports(8, 64) and not triton_verify.supports(64, 48)
+    assert not triton_verify.supports(512, 64)
+    assert _verify_kernels_take(random_target(vocab=16, head_dim=16).config)
+    assert not _verify_kernels_take(random_target(vocab=16, head_dim=8).config)
+    assert not kernels_apply(torch.zeros(1, 2, 64, 64))          # a CPU state: always the references
