@@ -45,7 +45,7 @@ class Engine:
     def __init__(self, runtime):
         self.runtime, self.pulled, self.closed = runtime, 0, False
 
-    def __call__(self, prompt, settings):
+    def __call__(self, model, prompt, settings):
         self.pulled, self.closed = 0, False
         try:
             for update in runner.run(self.runtime, prompt, settings):

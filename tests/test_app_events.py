@@ -23,6 +23,7 @@ from specla import figures as F  # noqa: E402
 from specla import runner  # noqa: E402
 from specla.decode import DecodeSettings, ar_generate  # noqa: E402
 from specla.explorer import CONTROL_DEFAULTS, CONTROLS, N_REPLAY, N_VIEWS, Explorer, control_values  # noqa: E402
+from specla.model_choice import LOADED  # noqa: E402
 from specla.trace import (MAX_TRACE_BYTES, TraceError, lattice_with_prefixes, load_trace,  # noqa: E402
                           output_tokens, validate_trace)
 
@@ -461,7 +462,7 @@ def test_handlers_take_named_parameters(ex):
 
 def test_the_kept_trace_is_a_snapshot_that_later_steps_cannot_change(rt, beam_trace):
     """A producer that keeps appending to a list it already yielded must not change the kept trace."""
-    def leaky(prompt, settings):
+    def leaky(model, prompt, settings):
         partial = runner.reveal(beam_trace, 3)
         yield partial
         partial["steps"].append(beam_trace["steps"][3])      # the list the page keeps, if it kept it
@@ -479,7 +480,7 @@ def test_heartbeats_become_empty_updates_and_a_cancel_stops_within_one_step(rt):
     """Gradio cancels a generator between yields: one yield per engine step bounds Stop to one step."""
     pulled, closed = [], []
 
-    def counting(prompt, settings):
+    def counting(model, prompt, settings):
         try:
             for update in runner.run(rt, prompt, settings):
                 pulled.append(update)
@@ -519,7 +520,7 @@ def test_replay_restores_the_prompt_and_every_setting(ex, rt, tmp_path):
     assert out[N_VIEWS] == prompt
     shown = dict(zip(CONTROLS, out[N_VIEWS + 1:N_VIEWS + 1 + len(CONTROLS)]))
     values = {name: getattr(v, "value", v) for name, v in shown.items()}
-    assert values == dict(settings, paths="")
+    assert values == dict(settings, paths="", model=LOADED)
     assert shown["oracle_alpha"].visible is True
     assert "chain" not in [c[0] for c in shown["mode"].choices]      # a beam tree cannot be verified as a chain
     # what does not fit the page is said, and set to the nearest value the page allows
@@ -530,7 +531,7 @@ def test_replay_restores_the_prompt_and_every_setting(ex, rt, tmp_path):
     out = drain(ex.on_upload(str(path)))[-1]
     assert "its drafter 'medusa' is not loaded here" in out[0]
     assert "max new tokens 4000 is outside this page's range" in out[0]
-    values = dict(zip(CONTROLS, out[N_VIEWS + 1:]))
+    values = {name: getattr(v, "value", v) for name, v in zip(CONTROLS, out[N_VIEWS + 1:])}
     assert values["max_new_tokens"] == ex.control_range("max_new_tokens")[1]
     assert json.loads(values["paths"]) == [[0], [1], [0, 0]] and "3 nodes" in out[-1]
 
