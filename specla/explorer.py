@@ -2,16 +2,19 @@
 
 `Explorer` holds the event functions (plain Python, testable without a browser);
 `build_demo` lays them out. Sessions keep their trace in `gr.State` (JSON-able dicts), the
-model lives in the process; all model work shares one queue (`concurrency_id="model"`).
+models live in the process; all model work shares one queue (`concurrency_id="model"`).
 Every handler turns an exception into a warning and a status line: bad input never breaks
 the page, and user errors (ValueError and its subclasses) leave no traceback in the log.
 
 The run and step handlers take their settings as named parameters, so the HTTP API names
-them too (`/run` takes `prompt, drafter, oracle_alpha, tree, ..., model`). The model is a
-key of `model_choice.ModelChoices`: the loaded model, or the GDN-1.3B shape built on the
-first run that selects it. Their listeners skip
-Gradio's preprocessing: the values arrive as sent and `runner.normalize_settings` checks
-them, so a wrong type gets the same clear message in the page and over the API.
+them too (`/run` takes `prompt, drafter, oracle_alpha, tree, ..., seed, model`). Their
+listeners skip Gradio's preprocessing: the values arrive as sent and
+`runner.normalize_settings` checks them, so a wrong type gets the same clear message in
+the page and over the API.
+
+The last setting, `model`, is a key of `model_choice.ModelChoices`: the loaded model, or
+the GDN-1.3B shape, built on the first run that selects it. Each session picks its own;
+the handlers resolve it to a runtime on every call.
 """
 from __future__ import annotations
 
@@ -638,7 +641,7 @@ class Explorer:
         drafters = self.models.get(model).drafters
         drafter = drafter if drafter in drafters else next(iter(drafters))
         lim, most = self.models.limits(model, drafter), self.control_range("max_new_tokens", drafter, model)[1]
-        return (gr.Dropdown(value=model),
+        return (gr.Dropdown(choices=self.models.options(), value=model),
                 gr.Dropdown(choices=[(label, name) for name, label in drafters.items()], value=drafter),
                 gr.Slider(visible=drafter == runner.ORACLE),
                 gr.Slider(maximum=lim["block_size"], value=min(int(block_size), lim["block_size"])),

@@ -26,6 +26,11 @@ LOADED = "loaded"       # the key of the model loaded at start
 RANDOM_1P3B_LABEL = "GDN-1.3B shape: random weights, simulated acceptance α (GPU)"
 
 
+def _sentence(text: str) -> str:
+    """`text` as a sentence's start: its first letter capitalised, the rest as written (GDN, GPU)."""
+    return text[:1].upper() + text[1:]
+
+
 class ModelUnavailable(ValueError):
     """A model that cannot run here now: no GPU, too little free memory, out of memory.
 
@@ -131,12 +136,12 @@ class ModelChoices:
     def _build(self, choice: Choice) -> runner.Runtime:
         reason = self.unavailable(choice.key)
         if reason:
-            raise ModelUnavailable(f"{choice.short.capitalize()} cannot run here: it {reason}; "
+            raise ModelUnavailable(f"{_sentence(choice.short)} cannot run here: it {reason}; "
                                    f"{self._fallback()}.")
         try:
             return choice.build()
         except ValueError as err:        # the builder's own check, when memory was taken meanwhile
-            failure = ModelUnavailable(f"{choice.short.capitalize()} cannot be built here ({err}); "
+            failure = ModelUnavailable(f"{_sentence(choice.short)} cannot be built here ({err}); "
                                        f"{self._fallback()}.")
         except RuntimeError as err:
             if not is_out_of_memory(err):
@@ -159,9 +164,9 @@ class ModelChoices:
     def _out_of_memory_message(self, choice: Choice, err: BaseException) -> ModelUnavailable:
         detail = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
         if choice.build is None:
-            return ModelUnavailable(f"{choice.short.capitalize()} ran out of GPU memory: {detail}. "
+            return ModelUnavailable(f"{_sentence(choice.short)} ran out of GPU memory: {detail}. "
                                     "Try fewer new tokens or a smaller tree.")
-        return ModelUnavailable(f"{choice.short.capitalize()} ran out of GPU memory: {detail}. Its memory "
+        return ModelUnavailable(f"{_sentence(choice.short)} ran out of GPU memory: {detail}. Its memory "
                                 f"was freed; {self._fallback()}.")
 
     def _fallback(self) -> str:
