@@ -126,7 +126,10 @@ def test_named_parameters_with_defaults_run(app, tmp_path):
     ({"tree": ["beam"]}, "tree shape must be one of"),
     ({"drafter": {"kind": "block"}}, "unknown drafter"),
     ({"temperature": -1}, "temperature must be between 0.0 and 10.0, got -1.0"),
-], ids=["text", "none", "fraction", "bool-text", "list", "dict", "range"])
+    ({"model": "gpt-5"}, "unknown model 'gpt-5'; this page has: loaded, gdn-1.3b-random"),
+    pytest.param({"model": runner.RANDOM_1P3B}, "The GDN-1.3B shape cannot run here: it needs a CUDA GPU",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without CUDA says")),
+], ids=["text", "none", "fraction", "bool-text", "list", "dict", "range", "unknown-model", "1p3b-without-cuda"])
 def test_wrong_types_over_http_get_a_message_and_no_traceback(app, tmp_path, capfd, caplog, overrides, expect):
     rt, url = app
     final = client(url, tmp_path).predict("def f():", *settings(rt, **overrides), api_name="/run")
