@@ -5,7 +5,8 @@
     python app.py --device cuda --queue-limit 2 --host 0.0.0.0
 
 On ZeroGPU Spaces the decode runs inside `spaces.GPU` and returns plain trace dicts; the
-figures are built on the CPU side. Elsewhere the decorator is a no-op.
+figures are built on the CPU side. Elsewhere the decorator is a no-op. The page's Model
+selector also offers the GDN-1.3B shape (random weights), built on its first run on a GPU.
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from specla import explorer, runner
+    from specla.model_choice import ModelChoices
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -69,11 +71,14 @@ def main(argv: list[str] | None = None) -> int:
         print("error: cannot load the model: " + " ".join(str(err).split()), file=sys.stderr)
         return 2
 
-    @gpu
-    def run_on_device(prompt: str, settings: dict):
-        yield from runner.run(runtime, prompt, settings)
+    models = ModelChoices(runtime)
 
-    demo = explorer.build_demo(runtime, run_fn=run_on_device, model_limit=max(1, args.queue_limit))
+    @gpu
+    def run_on_device(model: str, prompt: str, settings: dict):
+        # the model comes as its key, not its runtime: ZeroGPU pickles the arguments
+        yield from runner.run(models.runtime(model), prompt, settings)
+
+    demo = explorer.build_demo(runtime, run_fn=run_on_device, model_limit=max(1, args.queue_limit), models=models)
     demo.queue(default_concurrency_limit=4, max_size=args.max_queue)
     demo.launch(server_name=args.host, server_port=args.port, share=args.share, ssr_mode=False,
                 **explorer.LAUNCH_KWARGS)

@@ -2,14 +2,19 @@
 
 `Explorer` holds the event functions (plain Python, testable without a browser);
 `build_demo` lays them out. Sessions keep their trace in `gr.State` (JSON-able dicts), the
-model lives in the process; all model work shares one queue (`concurrency_id="model"`).
+models live in the process; all model work shares one queue (`concurrency_id="model"`).
 Every handler turns an exception into a warning and a status line: bad input never breaks
 the page, and user errors (ValueError and its subclasses) leave no traceback in the log.
 
 The run and step handlers take their settings as named parameters, so the HTTP API names
-them too (`/run` takes `prompt, drafter, oracle_alpha, tree, ...`). Their listeners skip
-Gradio's preprocessing: the values arrive as sent and `runner.normalize_settings` checks
-them, so a wrong type gets the same clear message in the page and over the API.
+them too (`/run` takes `prompt, drafter, oracle_alpha, tree, ..., seed, model`). Their
+listeners skip Gradio's preprocessing: the values arrive as sent and
+`runner.normalize_settings` checks them, so a wrong type gets the same clear message in
+the page and over the API.
+
+The last setting, `model`, is a key of `model_choice.ModelChoices`: the loaded model, or
+the GDN-1.3B shape, built on the first run that selects it. Each session picks its own;
+the handlers resolve it to a runtime on every call.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ import gradio as gr
 from specla import figures as F
 from specla import runner
 from specla.figures import plural
+from specla.model_choice import LOADED, ModelChoices, is_out_of_memory, release_gpu_memory
 from specla.trace import MAX_TRACE_BYTES, load_trace
 from specla.tree import MAX_TREE_NODES
 
@@ -38,10 +44,10 @@ FALLBACK_EXAMPLES = [["def fibonacci(n):\n"], ["import os\n\n\ndef main():\n"],
                      ["class Stack:\n    def __init__(self):\n"]]
 # the settings controls, in the order the event functions receive them
 CONTROLS = ("drafter", "oracle_alpha", "tree", "paths", "top_k", "block_size", "depth", "budget",
-            "prune_tau", "mode", "deferred", "temperature", "top_p", "max_new_tokens", "seed")
+            "prune_tau", "mode", "deferred", "temperature", "top_p", "max_new_tokens", "seed", "model")
 CONTROL_DEFAULTS = {"drafter": None, "oracle_alpha": 0.8, "tree": "chain", "paths": "", "top_k": 4,
                     "block_size": 8, "depth": 6, "budget": 8, "prune_tau": 0.0, "mode": "auto", "deferred": True,
-                    "temperature": 0.0, "top_p": 1.0, "max_new_tokens": 64, "seed": 0}
+                    "temperature": 0.0, "top_p": 1.0, "max_new_tokens": 64, "seed": 0, "model": LOADED}
 CONTROL_LABELS = {"oracle_alpha": "oracle α", "top_k": "top-k", "block_size": "block size", "depth": "depth",
                   "budget": "node budget", "prune_tau": "pruning τ", "temperature": "temperature",
                   "top_p": "top-p", "max_new_tokens": "max new tokens", "seed": "seed"}
@@ -220,26 +226,62 @@ class Page(gr.Blocks):
 
 
 class Explorer:
-    """The event functions. `run_fn(prompt, settings)` yields traces, or None after a step
-    with nothing new to show (runner.run by default; app.py passes a GPU-decorated wrapper)."""
+    """The event functions. `run_fn(model, prompt, settings)` yields what runner.run yields
+    for the runtime of the model choice `model` (runner.run by default; app.py passes a
+    GPU-decorated wrapper, which gets the key, a string, so that ZeroGPU can pickle it).
+    `models` resolves those keys; by default the loaded `runtime` and the GDN-1.3B shape."""
 
     def __init__(self, runtime: runner.Runtime,
-                 run_fn: Callable[[str, dict], Iterator[dict | None]] | None = None):
-        self.runtime = runtime
-        self.run_fn = run_fn or (lambda prompt, settings: runner.run(runtime, prompt, settings))
-        self.hardware = runner.hardware_name(runtime.device)
+                 run_fn: Callable[[str, str, dict], Iterator[dict | str | None]] | None = None,
+                 models: ModelChoices | None = None):
+        self.runtime = runtime      # the model loaded at start
+        self.models = models or ModelChoices(runtime)
+        if self.models.loaded is not runtime:
+            raise ValueError("the model choices must start from the runtime the page was built with")
+        self.run_fn = run_fn or (lambda model, prompt, settings:
+                                 runner.run(self.models.runtime(model), prompt, settings))
         self.first_drafter = next(iter(runtime.drafters))
 
     # -- helpers ---------------------------------------------------------------------
-    def control_range(self, name: str, drafter: str | None = None) -> tuple[float, float]:
+    def control_range(self, name: str, drafter: str | None = None, model: str = LOADED) -> tuple[float, float]:
         """The page's range of a numeric control (top-k and block size depend on the drafter)."""
         lo, hi = CONTROL_RANGES[name]
         if hi is None:
+            choice = self.models.get(model)
             if name == "max_new_tokens":
-                hi = 1024 if self.runtime.device.type == "cuda" else 512
+                hi = 1024 if choice.device == "cuda" else 512
             else:
-                hi = runner.drafter_limits(self.runtime, drafter or self.first_drafter)[name]
+                hi = self.models.limits(model, drafter or next(iter(choice.drafters)))[name]
         return lo, hi
+
+    def model_md(self, model: str = LOADED) -> str:
+        """The page's model line for a model choice, with its note (random weights, skipped drafters)."""
+        choice = self.models.get(model)
+        line = (f"**Model:** {html.escape(choice.name)} · {html.escape(self.models.hardware(model))} · drafters: "
+                + html.escape(", ".join(choice.drafters.values())))
+        return line + (f'\n\n<div class="specla-note">{html.escape(choice.note)}</div>' if choice.note else "")
+
+    def _runtime(self, model: Any) -> Iterator[tuple]:
+        """The chosen model's runtime; a model built on demand says so while it is built (once)."""
+        choice = self.models.get(model)
+        if choice.runtime is None:
+            reason = self.models.unavailable(model)
+            if not reason:
+                yield (f"Building {choice.short} on {self.models.hardware(model)}: once, for every session…",) \
+                    + SKIP_VIEWS[1:]
+        return self.models.runtime(model)      # says why, when it cannot run here
+
+    def _updates(self, model: str, prompt: str, settings: dict) -> Iterator[dict | str | None]:
+        """run_fn's updates; running out of GPU memory becomes a message, with the memory freed."""
+        try:
+            yield from self.run_fn(model, prompt, settings)
+            return
+        except RuntimeError as err:
+            if not is_out_of_memory(err):
+                raise
+            failure = self.models.out_of_memory(model, err)
+        release_gpu_memory()      # after the handler: its traceback held the run's tensors
+        raise failure
 
     def views(self, trace: dict | None, step: int | None, cursor: int | None, status: str,
               full: dict | None = None) -> tuple:
@@ -266,6 +308,16 @@ class Explorer:
                 draw(F.commit_figure, "State commits"), draw(F.speedup_figure, "Speedup"),
                 draw(lambda t, _: self.summary_md(t), None), full if full is not None else trace, cursor)
 
+    @staticmethod
+    def run_model_md(trace: dict) -> str:
+        """The run's model, and for the oracle drafter that its acceptance rate is simulated."""
+        m, s = trace.get("model") or {}, trace.get("settings") or {}
+        line = f"  \n*Model: {F.escape(F.visible(str(m.get('name', 'unknown')), 120))}"
+        alpha = s.get("oracle_alpha")
+        if s.get("drafter") == runner.ORACLE and isinstance(alpha, (int, float)) and not isinstance(alpha, bool):
+            line += f"; drafter: the oracle, right with probability α = {alpha:.2f} (a simulated acceptance rate)"
+        return line + ".*"
+
     def summary_md(self, trace: dict | None) -> str:
         """The run in one line: tokens, forwards, τ, the measured speedup (and its spread), phase times."""
         if not trace or not trace.get("steps"):
@@ -284,7 +336,7 @@ class Explorer:
         times = s.get("time_ms") or {}
         steps = max(1, s.get("target_forwards", 1))
         line += " · time per step: " + ", ".join(f"{k} {v / steps:.3f} ms" for k, v in times.items() if v)
-        return line + self.engine_md(trace) + self.exactness_md(trace)
+        return line + self.run_model_md(trace) + self.engine_md(trace) + self.exactness_md(trace)
 
     @staticmethod
     def engine_md(trace: dict) -> str:
@@ -318,34 +370,38 @@ class Explorer:
         return (f"  \nOutput leaves AR's at token {d.get('position')} ({x.get('dtype')}): AR's logit gap between "
                 f"its token and this one is {d.get('logit_gap', 0):.4f} (noise {d.get('noise', 0):.4f}), {verdict}.")
 
-    def _status(self, trace: dict, settings: dict, done: bool) -> str:
+    @staticmethod
+    def _status(runtime: runner.Runtime, trace: dict, settings: dict, done: bool) -> str:
         s = trace.get("summary") or {}
         n = s.get("new_tokens", 0)
         if done:
-            label = self.runtime.labels.get(settings.get("drafter"), settings.get("drafter"))
+            label = runtime.labels.get(settings.get("drafter"), settings.get("drafter"))
             return (f"**Done**: {plural(n, 'token')} in {plural(len(trace['steps']), 'step')} with the {label} "
                     f"drafter (τ = {s.get('tau', 0):.2f}).")
         return f"**Running**: step {len(trace['steps'])}, {n}/{settings.get('max_new_tokens')} tokens…"
 
-    def _settings(self, **controls) -> dict:
+    @staticmethod
+    def _settings(runtime: runner.Runtime, **controls) -> dict:
         """The settings dict runner.run takes, checked (a ValueError names a bad value)."""
-        return runner.normalize_settings(self.runtime, controls)
+        return runner.normalize_settings(runtime, controls)
 
     # -- events ----------------------------------------------------------------------
     @guarded()
     def on_run(self, prompt: str, drafter: str | None = None, oracle_alpha: float = 0.8, tree: str = "chain",
                paths: str | None = None, top_k: int = 4, block_size: int = 8, depth: int = 6, budget: int = 8,
                prune_tau: float = 0.0, mode: str = "auto", deferred: bool = True, temperature: float = 0.0,
-               top_p: float = 1.0, max_new_tokens: int = 64, seed: int = 0) -> Iterator[tuple]:
+               top_p: float = 1.0, max_new_tokens: int = 64, seed: int = 0, model: str = LOADED) -> Iterator[tuple]:
         """Decode `prompt` with these settings; stream the views; the last output is complete."""
         started = time.perf_counter()
-        settings = self._settings(**{name: value for name, value in locals().items() if name in CONTROLS})
-        runner.encode_prompt(self.runtime, runner.clean_prompt(prompt))   # fail fast, before the model work
+        controls = {name: value for name, value in locals().items() if name in CONTROLS and name != "model"}
+        runtime = yield from self._runtime(model)
+        settings = self._settings(runtime, **controls)
+        runner.encode_prompt(runtime, runner.clean_prompt(prompt))   # fail fast, before the model work
         # the kept trace is cleared here, so a Stop before the first step keeps nothing stale
-        yield ((f"Measuring the AR baseline on {self.hardware}, then decoding…",) + (gr.skip(),) * (N_VIEWS - 3)
-               + (None, None))
+        yield ((f"Measuring the AR baseline on {runner.hardware_name(runtime.device)}, then decoding…",)
+               + (gr.skip(),) * (N_VIEWS - 3) + (None, None))
         trace = None
-        for update in self.run_fn(prompt, settings):
+        for update in self._updates(model, prompt, settings):
             if update is None:     # a step with nothing new to show: yielding lets Stop cancel here
                 yield SKIP_VIEWS
                 continue
@@ -357,21 +413,24 @@ class Explorer:
             if first and trace["steps"]:      # the server's side of the Run-to-first-step latency
                 log.info("first step drawn %.0f ms after Run (stages: %s)", 1e3 * (time.perf_counter() - started),
                          trace.get("latency_ms"))
-            yield self.views(trace, len(trace["steps"]) - 1, None, self._status(trace, settings, False))
+            yield self.views(trace, len(trace["steps"]) - 1, None, self._status(runtime, trace, settings, False))
         if trace is not None:   # complete again, so an API client's last output has every view
-            yield self.views(trace, len(trace["steps"]) - 1, None, self._status(trace, settings, True))
+            yield self.views(trace, len(trace["steps"]) - 1, None, self._status(runtime, trace, settings, True))
 
     @guarded()
     def on_step(self, prompt: str, trace: dict | None = None, cursor: int | None = None,
                 drafter: str | None = None, oracle_alpha: float = 0.8, tree: str = "chain",
                 paths: str | None = None, top_k: int = 4, block_size: int = 8, depth: int = 6, budget: int = 8,
                 prune_tau: float = 0.0, mode: str = "auto", deferred: bool = True, temperature: float = 0.0,
-                top_p: float = 1.0, max_new_tokens: int = 64, seed: int = 0) -> Iterator[tuple]:
+                top_p: float = 1.0, max_new_tokens: int = 64, seed: int = 0, model: str = LOADED) -> Iterator[tuple]:
         """Reveal one more step of the session's run; the first click decodes the run in the background."""
-        settings = self._settings(**{name: value for name, value in locals().items() if name in CONTROLS})
+        controls = {name: value for name, value in locals().items() if name in CONTROLS and name != "model"}
+        runtime = yield from self._runtime(model)
+        settings = self._settings(runtime, **controls)
         record = runner.settings_record(settings)
         same = (isinstance(trace, dict) and trace.get("prompt") == runner.clean_prompt(prompt)
-                and trace.get("settings") == record)
+                and trace.get("settings") == record
+                and (trace.get("model") or {}).get("fingerprint") == runtime.fingerprint)
         cursor = cursor if isinstance(cursor, int) else 0
         if same and cursor < len(trace["steps"]):
             cursor += 1
@@ -383,12 +442,12 @@ class Explorer:
             yield self.views(trace, len(trace["steps"]) - 1, None,
                              f"All {plural(len(trace['steps']), 'step')} revealed. Press Run or change the prompt.")
             return
-        runner.encode_prompt(self.runtime, runner.clean_prompt(prompt))
+        runner.encode_prompt(runtime, runner.clean_prompt(prompt))
         # a new run: the kept trace is cleared, so a Stop now keeps nothing of the previous one
         yield (("Step mode: decoding the whole run once in the background; each click then reveals one step…",)
                + (gr.skip(),) * (N_VIEWS - 3) + (None, None))
         full = None
-        for update in self.run_fn(prompt, settings):
+        for update in self._updates(model, prompt, settings):
             if not isinstance(update, dict):
                 yield SKIP_VIEWS
                 continue
@@ -419,13 +478,16 @@ class Explorer:
         if not path:
             raise ValueError("no file received")
         try:
-            trace, note = runner.replay(load_trace(path), self.runtime)
+            data = load_trace(path)
         finally:
             discard_upload(path)
-        controls, changed = self.restore_controls(trace.get("settings"))
+        model, why = self.replay_model(data.get("model"))
+        trace, note = runner.replay(data, self.models.get(model).runtime)
+        controls, changed = self.restore_controls(trace.get("settings"), model)
+        changed = ([why] if why else []) + changed
         restored = ("The prompt and every setting are restored from the trace"
                     + (f", except: {'; '.join(changed)}" if changed else "")
-                    + ": Run decodes it again with the loaded model.")
+                    + f": Run decodes it again with {self.models.get(model).short}.")
         paths = trace.get("settings", {}).get("paths")
         preset_note = f"Preset: {plural(len(paths), 'node')}." if isinstance(paths, list) and paths else ""
         prompt = trace.get("prompt") if isinstance(trace.get("prompt"), str) else gr.skip()
@@ -433,22 +495,34 @@ class Explorer:
                           F.escape(note) + " " + F.escape(restored))
                + (prompt, *controls, preset_note))
 
-    def restore_controls(self, settings: Any) -> tuple[list, list[str]]:
-        """Updates that set every settings control to a trace's values, in CONTROLS order, and
-        the values that had to change to fit this page (unknown drafter, out of range)."""
+    def replay_model(self, record: Any) -> tuple[str, str | None]:
+        """The model choice a trace's model record names, and why not, when it cannot run here."""
+        model = self.models.key_for(record)
+        if model is None:          # another model: the replay note says so
+            return LOADED, None
+        reason = self.models.unavailable(model)
+        if reason:
+            return LOADED, f"its model, {self.models.get(model).short}, {reason} here, so the model is the loaded one"
+        return model, None
+
+    def restore_controls(self, settings: Any, model: str = LOADED) -> tuple[list, list[str]]:
+        """Updates that set every settings control to a trace's values on `model`, in CONTROLS
+        order, and the values that had to change to fit this page (unknown drafter, out of range)."""
         s = settings if isinstance(settings, dict) else {}
+        choice = self.models.get(model)
         changed: list[str] = []
         drafter = s.get("drafter")
-        if not (isinstance(drafter, str) and drafter in self.runtime.drafters):
+        if not (isinstance(drafter, str) and drafter in choice.drafters):
+            first = next(iter(choice.drafters))
             changed.append(f"its drafter {F.visible(str(drafter), 24)!r} is not loaded here, so the drafter is "
-                           f"{self.runtime.labels[self.first_drafter]}")
-            drafter = self.first_drafter
+                           f"{choice.drafters[first]}")
+            drafter = first
         values: dict[str, Any] = {"drafter": drafter}
         for name, (default, label) in {k: (CONTROL_DEFAULTS[k], v) for k, v in CONTROL_LABELS.items()}.items():
             value = s.get(name, default)
             if name == "prune_tau" and value is None:
                 value = 0.0
-            lo, hi = self.control_range(name, drafter)
+            lo, hi = self.control_range(name, drafter, model)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 changed.append(f"{label} {F.visible(str(value), 24)!r} is not a number, so it is {default}")
                 value = default
@@ -472,9 +546,12 @@ class Explorer:
         modes = list(runner.MODES) if is_chain else [m for m in runner.MODES if m != "chain"]
         if values["mode"] not in modes:
             values["mode"] = "auto"
-        lim = runner.drafter_limits(self.runtime, drafter)
+        lim = self.models.limits(model, drafter)
         updates = {
-            **values,
+            **values, "model": model,
+            "drafter": gr.Dropdown(choices=[(label, name) for name, label in choice.drafters.items()], value=drafter),
+            "max_new_tokens": gr.Slider(maximum=self.control_range("max_new_tokens", drafter, model)[1],
+                                        value=values["max_new_tokens"]),
             "oracle_alpha": gr.Slider(value=values["oracle_alpha"], visible=drafter == runner.ORACLE),
             "top_k": gr.Slider(maximum=lim["top_k"], value=values["top_k"]),
             "block_size": gr.Slider(maximum=lim["block_size"], value=values["block_size"]),
@@ -540,16 +617,54 @@ class Explorer:
         return gr.Slider(value=min(int(depth), int(budget)))
 
     @quiet(3)
-    def on_drafter(self, drafter: str, block_size: float, top_k: float):
+    def on_drafter(self, drafter: str, block_size: float, top_k: float, model: str = LOADED):
         """Show α for the oracle; cap block size and top-k at what the drafter was trained for."""
-        lim = runner.drafter_limits(self.runtime, drafter)
+        lim = self.models.limits(model, drafter)
         return (gr.Slider(visible=drafter == runner.ORACLE),
                 gr.Slider(maximum=lim["block_size"], value=min(int(block_size), lim["block_size"])),
                 gr.Slider(maximum=lim["top_k"], value=min(int(top_k), lim["top_k"])))
 
+    @quiet(8)
+    def on_model(self, model: str, drafter: str, block_size: float, top_k: float, max_new_tokens: float):
+        """Offer the chosen model's drafters and ranges. A model that cannot run here says why
+        in the status and the choice goes back to the loaded model; nothing is built.
 
-def build_demo(runtime: runner.Runtime, run_fn: Callable | None = None, model_limit: int = 1) -> gr.Blocks:
-    ex = Explorer(runtime, run_fn)
+        Returns updates of: model, drafter, oracle α, block size, top-k, max new tokens, the
+        model line and the status.
+        """
+        status = gr.skip()
+        reason = self.models.unavailable(model)
+        if reason:
+            status = (f"**{html.escape(self.models.get(model).label)}** cannot run here: it {html.escape(reason)}. "
+                      "The loaded model stays selected.")
+            model = LOADED
+        drafters = self.models.get(model).drafters
+        drafter = drafter if drafter in drafters else next(iter(drafters))
+        lim, most = self.models.limits(model, drafter), self.control_range("max_new_tokens", drafter, model)[1]
+        return (gr.Dropdown(choices=self.models.options(), value=model),
+                gr.Dropdown(choices=[(label, name) for name, label in drafters.items()], value=drafter),
+                gr.Slider(visible=drafter == runner.ORACLE),
+                gr.Slider(maximum=lim["block_size"], value=min(int(block_size), lim["block_size"])),
+                gr.Slider(maximum=lim["top_k"], value=min(int(top_k), lim["top_k"])),
+                gr.Slider(maximum=most, value=min(int(max_new_tokens), most)),
+                self.model_md(model), status)
+
+
+def model_info(models: ModelChoices) -> str:
+    """The Model selector's hint: what the other model is, or what it lacks here."""
+    if runner.RANDOM_1P3B not in models.choices:
+        return "the only model of this page (chosen at start)"
+    reason = models.unavailable(runner.RANDOM_1P3B)
+    if reason:
+        return f"the GDN-1.3B shape {reason} here"
+    return (f"the GDN-1.3B shape is built on its first run (about {runner.RANDOM_1P3B_GIB:.0f} GiB of GPU "
+            "memory) and kept for every session")
+
+
+def build_demo(runtime: runner.Runtime, run_fn: Callable | None = None, model_limit: int = 1,
+               models: ModelChoices | None = None) -> gr.Blocks:
+    """The page on `runtime`; `run_fn` and `models` as Explorer takes them."""
+    ex = Explorer(runtime, run_fn, models)
     examples, example_labels = load_examples()
     first = ex.first_drafter
     D = CONTROL_DEFAULTS
@@ -557,17 +672,15 @@ def build_demo(runtime: runner.Runtime, run_fn: Callable | None = None, model_li
     def rng(name):
         return ex.control_range(name, first)
 
-    model_line = (f"**Model:** {html.escape(runtime.model_name)} · {ex.hardware} · drafters: "
-                  + ", ".join(runtime.labels[n] for n in runtime.drafters))
     # uploads and cached outputs older than an hour are deleted every 10 minutes
     with Page(title="SpecLA Explorer", delete_cache=(600, 3600)) as demo:
         gr.Markdown(INTRO)
-        gr.Markdown(model_line)
-        if runtime.note:
-            gr.Markdown(f'<div class="specla-note">{html.escape(runtime.note)}</div>')
+        model_line = gr.Markdown(ex.model_md(LOADED), elem_id="model-line")
         trace_state, cursor_state = gr.State(None), gr.State(None)
         with gr.Row():
             with gr.Column(scale=2, min_width=340):
+                model = gr.Dropdown(ex.models.options(), value=LOADED, label="Model", elem_id="model",
+                                    info=model_info(ex.models), interactive=len(ex.models.choices) > 1)
                 prompt = gr.Textbox(label="Prompt", lines=4, max_lines=12, max_length=runner.MAX_PROMPT_CHARS,
                                     value=examples[0][0], elem_id="prompt")
                 gr.Examples(examples=examples, inputs=[prompt], example_labels=example_labels,
@@ -652,7 +765,7 @@ def build_demo(runtime: runner.Runtime, run_fn: Callable | None = None, model_li
         speedup_plot = gr.Plot(F.speedup_figure(None), label="speedup", show_label=False, elem_id="speedup-plot")
 
         controls = [drafter, oracle_alpha, tree, paths, top_k, block_size, depth, budget, prune_tau, mode,
-                    deferred, temperature, top_p, max_new, seed]
+                    deferred, temperature, top_p, max_new, seed, model]
         views = [status, text, step_info, slider, tree_plot, lattice_plot, commit_plot, speedup_plot, summary,
                  trace_state, cursor_state]
         model_queue = dict(concurrency_limit=model_limit, concurrency_id="model", show_progress_on=[status])
@@ -673,13 +786,17 @@ def build_demo(runtime: runner.Runtime, run_fn: Callable | None = None, model_li
                      show_progress="hidden", api_name="scrub", **raw)
         export_btn.click(ex.on_export, [trace_state], [download, status], api_name="export").then(
             ex.show_download, [download], [download], **helper)
-        upload.upload(ex.on_upload, [upload], views + [prompt, *controls, preset_note], api_name="replay")
+        upload.upload(ex.on_upload, [upload], views + [prompt, *controls, preset_note], api_name="replay").then(
+            quiet()(ex.model_md), [model], [model_line], **helper)
         for event in (tree.input, paths.blur, paths.submit):
             event(ex.on_shape, [tree, paths, mode], [mode, preset_note], show_progress="hidden", **helper)
         depth.release(ex.on_depth, [depth, budget], [budget], show_progress="hidden", **helper)
         budget.release(ex.on_budget, [budget, depth], [depth], show_progress="hidden", **helper)
-        drafter.input(ex.on_drafter, [drafter, block_size, top_k], [oracle_alpha, block_size, top_k],
+        drafter.input(ex.on_drafter, [drafter, block_size, top_k, model], [oracle_alpha, block_size, top_k],
                       show_progress="hidden", **helper)
+        model.input(ex.on_model, [model, drafter, block_size, top_k, max_new],
+                    [model, drafter, oracle_alpha, block_size, top_k, max_new, model_line, status],
+                    show_progress="hidden", **helper)
     demo.explorer = ex   # for tests
     return demo
 

@@ -172,6 +172,25 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 RANDOM_1P3B = "gdn-1.3b-random"
 RANDOM_1P3B_GIB = 6.0          # weights (2.9 GB bf16), state, graphs and workspace, with room
+# what the 1.3B runtime says about itself, known before it is built (the page offers it unbuilt)
+RANDOM_1P3B_NAME = "GDN-1.3B public shape, random bf16 weights (1.47B parameters)"
+RANDOM_1P3B_LABELS = {ORACLE: "oracle (simulated acceptance α)"}
+RANDOM_1P3B_NOTE = ("Random weights: the text is noise. The oracle drafter knows the target's own answer and "
+                    "is right with probability α: this shows the engine's speed at a simulated acceptance "
+                    "rate in the bandwidth-bound regime of a 1.3B model, not a trained drafter.")
+
+
+def gpu_shortfall(gib: float) -> str | None:
+    """Why a model that needs `gib` GiB of GPU memory cannot be built here now; None if it can."""
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    try:
+        free = torch.cuda.mem_get_info()[0] / 2**30
+    except RuntimeError as err:      # a GPU that torch sees but cannot query
+        return f"needs a CUDA GPU whose free memory can be read ({err})"
+    if free < gib:
+        return f"needs about {gib:.0f} GiB of free GPU memory; {free:.1f} GiB are free"
+    return None
 
 
 class WideVocabTokenizer:
@@ -208,19 +227,14 @@ def random_1p3b_runtime(device: str = "cuda") -> Runtime:
 
     if device != "cuda":
         raise ValueError("the GDN-1.3B shape needs a CUDA GPU (on a CPU one token takes seconds)")
-    free = torch.cuda.mem_get_info()[0] / 2**30
-    if free < RANDOM_1P3B_GIB:
-        raise ValueError(f"the GDN-1.3B shape needs about {RANDOM_1P3B_GIB:.0f} GiB of free GPU memory; "
-                         f"{free:.1f} GiB are free")
+    shortfall = gpu_shortfall(RANDOM_1P3B_GIB)
+    if shortfall:
+        raise ValueError(f"the GDN-1.3B shape {shortfall}")
     target = random_gdn(PUBLIC_1P3B, device, torch.bfloat16, seed=0)
     from specla.tokenizer import load_tokenizer
     tokenizer = WideVocabTokenizer(load_tokenizer(ASSETS), PUBLIC_1P3B.vocab_size)
     return Runtime(target, tokenizer, {ORACLE: oracle_factory(PUBLIC_1P3B.vocab_size)},
-                   model_name="GDN-1.3B public shape, random bf16 weights (1.47B parameters)",
-                   labels={ORACLE: "oracle (simulated acceptance α)"},
-                   note="Random weights: the text is noise. The oracle drafter knows the target's own answer and "
-                        "is right with probability α: this shows the engine's speed at a simulated acceptance "
-                        "rate in the bandwidth-bound regime of a 1.3B model, not a trained drafter.")
+                   model_name=RANDOM_1P3B_NAME, labels=dict(RANDOM_1P3B_LABELS), note=RANDOM_1P3B_NOTE)
 
 
 def load_runtime(model: str | None = None, drafters: str | None = None,
@@ -288,9 +302,12 @@ def load_runtime(model: str | None = None, drafters: str | None = None,
                    note=note, labels={"ngram": found["ngram"].label}, engine=Engine(target, backend))
 
 
+DRAFTER_LIMITS = {"block_size": 32, "top_k": 16}    # the page's limits for a drafter without training limits
+
+
 def drafter_limits(runtime: Runtime, name: str) -> dict:
     """Largest block size and top-k a loaded drafter supports (what it was trained with)."""
-    limits = {"block_size": 32, "top_k": min(16, runtime.vocab_size)}
+    limits = {"block_size": DRAFTER_LIMITS["block_size"], "top_k": min(DRAFTER_LIMITS["top_k"], runtime.vocab_size)}
     net = getattr(runtime.drafters.get(name), "net", None)
     block = getattr(getattr(net, "config", None), "block_size", None)
     if isinstance(block, int):

@@ -21,6 +21,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 CHROMIUM = os.environ.get("SPECLA_CHROMIUM", "/usr/bin/chromium")
 if not os.path.exists(CHROMIUM):
@@ -45,7 +46,7 @@ class Engine:
     def __init__(self, runtime):
         self.runtime, self.pulled, self.closed = runtime, 0, False
 
-    def __call__(self, prompt, settings):
+    def __call__(self, model, prompt, settings):
         self.pulled, self.closed = 0, False
         try:
             for update in runner.run(self.runtime, prompt, settings):
@@ -248,3 +249,15 @@ def test_an_oversized_upload_is_refused_in_the_status(page, tmp_path):
     assert page.locator("#text .tok").count() == before
     temp = Path(os.environ["GRADIO_TEMP_DIR"])
     assert not list(temp.rglob("big.json")), "the file never reached the server"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without CUDA says")
+def test_the_1p3b_model_says_what_it_needs_and_the_loaded_one_stays(page):
+    selector = page.locator("#model input")
+    loaded = selector.input_value()
+    sync_api.expect(page.locator("#model")).to_contain_text("needs a CUDA GPU here")
+    selector.click()
+    page.get_by_role("option", name="GDN-1.3B shape: random weights, simulated acceptance α (GPU)").click()
+    expect_status(page, "cannot run here: it needs a CUDA GPU. The loaded model stays selected.")
+    sync_api.expect(selector).to_have_value(loaded)
+    sync_api.expect(page.locator("#model-line")).to_contain_text(loaded)

@@ -22,7 +22,9 @@ import torch  # noqa: E402
 from specla import figures as F  # noqa: E402
 from specla import runner  # noqa: E402
 from specla.decode import DecodeSettings, ar_generate  # noqa: E402
-from specla.explorer import CONTROL_DEFAULTS, CONTROLS, N_REPLAY, N_VIEWS, Explorer, control_values  # noqa: E402
+from specla.explorer import (CONTROL_DEFAULTS, CONTROLS, N_REPLAY, N_VIEWS, Explorer, build_demo,  # noqa: E402
+                             control_values)
+from specla.model_choice import LOADED  # noqa: E402
 from specla.trace import (MAX_TRACE_BYTES, TraceError, lattice_with_prefixes, load_trace,  # noqa: E402
                           output_tokens, validate_trace)
 
@@ -461,7 +463,7 @@ def test_handlers_take_named_parameters(ex):
 
 def test_the_kept_trace_is_a_snapshot_that_later_steps_cannot_change(rt, beam_trace):
     """A producer that keeps appending to a list it already yielded must not change the kept trace."""
-    def leaky(prompt, settings):
+    def leaky(model, prompt, settings):
         partial = runner.reveal(beam_trace, 3)
         yield partial
         partial["steps"].append(beam_trace["steps"][3])      # the list the page keeps, if it kept it
@@ -479,7 +481,7 @@ def test_heartbeats_become_empty_updates_and_a_cancel_stops_within_one_step(rt):
     """Gradio cancels a generator between yields: one yield per engine step bounds Stop to one step."""
     pulled, closed = [], []
 
-    def counting(prompt, settings):
+    def counting(model, prompt, settings):
         try:
             for update in runner.run(rt, prompt, settings):
                 pulled.append(update)
@@ -519,7 +521,7 @@ def test_replay_restores_the_prompt_and_every_setting(ex, rt, tmp_path):
     assert out[N_VIEWS] == prompt
     shown = dict(zip(CONTROLS, out[N_VIEWS + 1:N_VIEWS + 1 + len(CONTROLS)]))
     values = {name: getattr(v, "value", v) for name, v in shown.items()}
-    assert values == dict(settings, paths="")
+    assert values == dict(settings, paths="", model=LOADED)
     assert shown["oracle_alpha"].visible is True
     assert "chain" not in [c[0] for c in shown["mode"].choices]      # a beam tree cannot be verified as a chain
     # what does not fit the page is said, and set to the nearest value the page allows
@@ -530,7 +532,7 @@ def test_replay_restores_the_prompt_and_every_setting(ex, rt, tmp_path):
     out = drain(ex.on_upload(str(path)))[-1]
     assert "its drafter 'medusa' is not loaded here" in out[0]
     assert "max new tokens 4000 is outside this page's range" in out[0]
-    values = dict(zip(CONTROLS, out[N_VIEWS + 1:]))
+    values = {name: getattr(v, "value", v) for name, v in zip(CONTROLS, out[N_VIEWS + 1:])}
     assert values["max_new_tokens"] == ex.control_range("max_new_tokens")[1]
     assert json.loads(values["paths"]) == [[0], [1], [0, 0]] and "3 nodes" in out[-1]
 
@@ -633,3 +635,182 @@ def test_summary_names_the_engine_and_says_where_the_output_leaves_ar(ex, beam_t
     assert "equals AR" in ex.summary_md(dict(beam_trace, exactness={"checked": True, "equal": True,
                                                                     "compared_tokens": 20, "dtype": "float32"}))
     assert "eager PyTorch" in ex.summary_md(beam_trace)
+
+
+# -- the Model selector: the loaded model, or the GDN-1.3B shape built on demand --------------------
+ONE_B = runner.RANDOM_1P3B
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without CUDA says")
+OOM = "CUDA out of memory. Tried to allocate 2.00 GiB"
+
+
+def fake_1p3b() -> runner.Runtime:
+    """A tiny stand-in for the GDN-1.3B runtime: the oracle only, labelled and described like it."""
+    fake = runner.tiny_random_runtime(seed=1, note=runner.RANDOM_1P3B_NOTE)
+    fake.labels, fake.model_name = dict(runner.RANDOM_1P3B_LABELS), runner.RANDOM_1P3B_NAME
+    return fake
+
+
+@pytest.fixture
+def gpu_like(monkeypatch):
+    """A machine where the 1.3B shape can be built (it builds the stand-in); records the builds
+    and the cache flushes."""
+    built, flushes = [], []
+
+    def build():
+        built.append(fake_1p3b())
+        return built[-1]
+    monkeypatch.setattr(runner, "gpu_shortfall", lambda gib: None)
+    monkeypatch.setattr(runner, "random_1p3b_runtime", build)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: flushes.append(1))
+    return built, flushes
+
+
+def model_selector(demo) -> gr.Dropdown:
+    return next(b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "model")
+
+
+def switch(ex, model: str, drafter: str) -> dict:
+    names = ("model", "drafter", "oracle_alpha", "block_size", "top_k", "max_new_tokens", "model_line", "status")
+    return dict(zip(names, ex.on_model(model, drafter, 8, 4, 64)))
+
+
+@NO_CUDA
+def test_the_1p3b_choice_says_it_needs_a_cuda_gpu_and_builds_nothing(rt, monkeypatch, caplog):
+    monkeypatch.setattr(runner, "random_1p3b_runtime", lambda *a: pytest.fail("nothing may be built here"))
+    demo = build_demo(rt)
+    selector, ex = model_selector(demo), demo.explorer
+    assert [key for _, key in selector.choices] == [LOADED, ONE_B] and selector.value == LOADED
+    assert "needs a CUDA GPU" in selector.info
+    out = switch(ex, ONE_B, runner.ORACLE)
+    assert out["model"].value == LOADED and "cannot run here: it needs a CUDA GPU" in out["status"]
+    assert [name for _, name in out["drafter"].choices] == list(rt.drafters)     # the loaded model's, still
+    outs = run(ex, model=ONE_B)
+    assert len(outs) == 1 and "The GDN-1.3B shape cannot run here: it needs a CUDA GPU" in outs[0][0]
+    assert ex.models.get(ONE_B).runtime is None and "Traceback" not in caplog.text
+    assert run(ex, max_new_tokens=4)[-1][0].startswith(DONE)
+
+
+def test_too_little_free_gpu_memory_is_named_with_both_numbers(rt, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (2.5 * 2**30, 80 * 2**30))
+    out = switch(Explorer(rt), ONE_B, runner.ORACLE)
+    assert out["model"].value == LOADED
+    assert "needs about 6 GiB of free GPU memory; 2.5 GiB are free" in out["status"]
+
+
+def test_the_1p3b_choice_offers_the_oracle_runs_and_switches_back(rt, gpu_like, tmp_path):
+    built, _ = gpu_like
+    ex = Explorer(rt)
+    out = switch(ex, ONE_B, next(iter(rt.drafters)))
+    assert out["status"] == gr.skip() and out["model"].value == ONE_B
+    assert out["drafter"].choices == [(runner.RANDOM_1P3B_LABELS[runner.ORACLE], runner.ORACLE)]
+    assert out["drafter"].value == runner.ORACLE and out["oracle_alpha"].visible is True
+    assert runner.RANDOM_1P3B_NAME in out["model_line"] and "Random weights" in out["model_line"]
+    assert not built, "selecting it builds nothing: the first run does"
+    outs = run(ex, oracle_alpha=0.7, max_new_tokens=12, model=ONE_B)
+    assert any(str(o[0]).startswith("Building the GDN-1.3B shape") for o in outs)
+    assert outs[-1][0].startswith(DONE) and "oracle (simulated acceptance α)" in outs[-1][0]
+    trace = last_trace(outs)
+    assert trace["model"]["name"] == runner.RANDOM_1P3B_NAME and trace["model"]["fingerprint"] == built[0].fingerprint
+    assert "Model: GDN-1.3B public shape, random bf16 weights" in outs[-1][8]
+    assert "α = 0.70 (a simulated acceptance rate)" in outs[-1][8]
+    assert run(ex, max_new_tokens=4, model=ONE_B)[-1][0].startswith(DONE) and len(built) == 1, "built once, kept"
+    # Step on it too: same model, same settings -> the next click reveals, it does not decode again
+    values = control_values(rt, drafter=runner.ORACLE, max_new_tokens=6, model=ONE_B)
+    first = drain(ex.on_step("def f():\n", None, None, *values))[-1]
+    again = drain(ex.on_step("def f():\n", first[9], first[10], *values))[-1]
+    assert "Step 1 revealed" in again[0] and again[9]["model"]["fingerprint"] == built[0].fingerprint
+    # a replay of its trace selects it again, with its drafters
+    replay = drain(Explorer(rt, models=ex.models).on_upload(str(runner.export_trace(trace, folder=tmp_path))))[-1]
+    shown = dict(zip(CONTROLS, replay[N_VIEWS + 1:]))
+    assert shown["model"] == ONE_B and [n for _, n in shown["drafter"].choices] == [runner.ORACLE]
+    assert "again with the GDN-1.3B shape" in replay[0] and "except" not in replay[0]
+    # back to the loaded model: its drafters again, and its runs
+    back = switch(ex, LOADED, runner.ORACLE)
+    assert [name for _, name in back["drafter"].choices] == list(rt.drafters) and back["model"].value == LOADED
+    assert rt.model_name in back["model_line"]
+    outs = run(ex, max_new_tokens=4)
+    assert outs[-1][0].startswith(DONE) and last_trace(outs)["model"]["name"] == rt.model_name
+
+
+def test_a_1p3b_trace_replayed_where_it_cannot_run_restores_the_loaded_model(rt, gpu_like, monkeypatch, tmp_path):
+    ex = Explorer(rt)
+    trace = last_trace(run(ex, max_new_tokens=4, model=ONE_B))
+    monkeypatch.setattr(runner, "gpu_shortfall", lambda gib: "needs a CUDA GPU")
+    fresh = Explorer(rt)                                   # another server: nothing built there
+    out = drain(fresh.on_upload(str(runner.export_trace(trace, folder=tmp_path))))[-1]
+    shown = dict(zip(CONTROLS, out[N_VIEWS + 1:]))
+    assert shown["model"] == LOADED and "its model, the GDN-1.3B shape, needs a CUDA GPU here" in out[0]
+    assert "not the loaded model" in out[0] and out[9]["model"]["name"] == trace["model"]["name"]
+
+
+def test_two_sessions_asking_at_once_build_the_1p3b_once(rt, gpu_like, monkeypatch):
+    import threading
+    built, _ = gpu_like
+    gate = threading.Event()
+
+    def slow():
+        gate.wait(5)
+        built.append(fake_1p3b())
+        return built[-1]
+    monkeypatch.setattr(runner, "random_1p3b_runtime", slow)
+    models = Explorer(rt).models
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(models.runtime(ONE_B))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    gate.set()
+    for t in threads:
+        t.join(10)
+    assert len(built) == 1 and len(got) == 4 and all(r is built[0] for r in got)
+
+
+def test_running_out_of_gpu_memory_while_building_is_a_message(rt, gpu_like, monkeypatch, caplog):
+    import weakref
+    _, flushes = gpu_like
+    held = []
+
+    def half_built():
+        weights = torch.zeros(1024)             # what a real build holds when the allocator gives up
+        held.append(weakref.ref(weights))
+        raise torch.cuda.OutOfMemoryError(OOM)
+    monkeypatch.setattr(runner, "random_1p3b_runtime", half_built)
+    ex = Explorer(rt)
+    outs = run(ex, model=ONE_B)
+    status = outs[-1][0]
+    assert status.startswith(ERROR) and "The GDN-1.3B shape ran out of GPU memory: " + OOM in status
+    assert "the loaded model" in status and "still works" in status and "internal error" not in status
+    assert ex.models.get(ONE_B).runtime is None and flushes, "nothing half-built is kept; the cache is emptied"
+    assert held[0]() is None, "the half-built weights are freed"
+    assert "Traceback" not in caplog.text
+    assert run(ex, max_new_tokens=4)[-1][0].startswith(DONE), "the loaded model still runs"
+
+
+def test_running_out_of_gpu_memory_mid_decode_is_a_message(rt, gpu_like, caplog):
+    built, flushes = gpu_like
+    ex = Explorer(rt)
+    fake = ex.models.runtime(ONE_B)
+    decode = fake.engine.speculate
+
+    def failing(tokens, drafter, settings, *args):
+        for i, record in enumerate(decode(tokens, drafter, settings, *args)):
+            if settings.max_new_tokens > 4 and i == 2:     # the streamed decode, not the warm-up
+                raise torch.cuda.OutOfMemoryError(OOM)
+            yield record
+    fake.engine.speculate = failing
+    outs = run(ex, oracle_alpha=0.0, max_new_tokens=16, model=ONE_B)
+    status = outs[-1][0]
+    assert status.startswith(ERROR) and "The GDN-1.3B shape ran out of GPU memory: " + OOM in status
+    assert "internal error" not in status and "Traceback" not in caplog.text
+    partial = last_trace(outs)
+    assert 1 <= len(partial["steps"]) <= 2
+    validate_trace(partial)                                    # what the session keeps stays exportable
+    assert ex.models.get(ONE_B).runtime is None and flushes, "the runtime is dropped and its memory freed"
+    assert run(ex, max_new_tokens=4)[-1][0].startswith(DONE), "the loaded model still runs"
+    assert run(ex, max_new_tokens=4, model=ONE_B)[-1][0].startswith(DONE) and len(built) == 2, "built again"
+
+
+def test_an_unknown_model_is_a_message(ex):
+    outs = run(ex, model="gpt-5")
+    assert len(outs) == 1 and "unknown model 'gpt-5'; this page has: loaded, gdn-1.3b-random" in outs[0][0]

@@ -126,7 +126,10 @@ def test_named_parameters_with_defaults_run(app, tmp_path):
     ({"tree": ["beam"]}, "tree shape must be one of"),
     ({"drafter": {"kind": "block"}}, "unknown drafter"),
     ({"temperature": -1}, "temperature must be between 0.0 and 10.0, got -1.0"),
-], ids=["text", "none", "fraction", "bool-text", "list", "dict", "range"])
+    ({"model": "gpt-5"}, "unknown model 'gpt-5'; this page has: loaded, gdn-1.3b-random"),
+    pytest.param({"model": runner.RANDOM_1P3B}, "The GDN-1.3B shape cannot run here: it needs a CUDA GPU",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without CUDA says")),
+], ids=["text", "none", "fraction", "bool-text", "list", "dict", "range", "unknown-model", "1p3b-without-cuda"])
 def test_wrong_types_over_http_get_a_message_and_no_traceback(app, tmp_path, capfd, caplog, overrides, expect):
     rt, url = app
     final = client(url, tmp_path).predict("def f():", *settings(rt, **overrides), api_name="/run")
@@ -139,7 +142,8 @@ def test_a_nan_seed_over_raw_http_gets_a_message(app, capfd):
     """JSON clients can send NaN (Python's json does); the message must say what is wrong with it."""
     rt, url = app
     values = settings(rt, max_new_tokens=4)
-    body = json.dumps({"data": ["def f():", *values[:-1], float("nan")]})
+    values[explorer.CONTROLS.index("seed")] = float("nan")
+    body = json.dumps({"data": ["def f():", *values]})
     assert "NaN" in body
     event = httpx.post(url + "gradio_api/call/run", content=body,
                        headers={"content-type": "application/json"}, timeout=30).json()["event_id"]
@@ -169,9 +173,9 @@ def raw_call(url: str, endpoint: str, data: list) -> str:
 @pytest.mark.parametrize("endpoint,data,expect", [
     ("replay", ["not a file"], "this parameter takes a file"),
     ("replay", [{"path": "/etc/hostname"}], "this parameter takes a file"),
-    ("run", [], "didn't receive enough input values (needed: 16, got: 0)"),
+    ("run", [], "didn't receive enough input values (needed: 17, got: 0)"),
     ("scrub", ["abc"], "step must be a number, got 'abc'"),
-    ("step", ["def f():", runner.ORACLE, 0.8, "chain", "", "x", 8, 6, 8, 0, "auto", True, 0, 1, 4, 0],
+    ("step", ["def f():", runner.ORACLE, 0.8, "chain", "", "x", 8, 6, 8, 0, "auto", True, 0, 1, 4, 0, "loaded"],
      "top k must be a number, got 'x'"),
 ], ids=["replay-text", "replay-path", "run-missing", "scrub-text", "step-text"])
 def test_malformed_raw_requests_get_a_message_and_no_traceback(app, capfd, endpoint, data, expect):
