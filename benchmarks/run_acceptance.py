@@ -115,6 +115,7 @@ def main() -> None:
     runtimes: dict = {}
     engine = Engine(model)      # one engine (one GraphedAR, one capture cache) for every row
     rows = []
+    text = ""
     for spec in args.rows:
         row = parse_row(spec)
         settings = DraftSettings(tree=row["tree"], top_k=row["top_k"], budget=row["budget"], block_size=8,
@@ -144,19 +145,23 @@ def main() -> None:
             print(f"{row_name(row):>60} {name:>8}: tau={result['tau']:.3f}{speed} "
                   f"mismatches={result['mismatching_prompts']}", flush=True)
         rows.append(row)
-    report = {"command": " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]), "commit": commit,
-              "device": (f"{torch.cuda.get_device_name()}, bf16 target, CUDA graphs" if cuda else
-                         f"CPU ({platform.processor() or platform.machine()}), 1 thread"),
-              "sets": {name: len(p) for name, p in sets.items()}, "skip": args.skip,
-              "max_new_tokens": args.max_new_tokens, "temperature": 0, "rows": rows}
-    if args.speedup:
-        report["repeats"] = args.repeats
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps(report, indent=1))
-    text = render_speedup(report) if args.speedup else render(report)
-    (out / f"{args.name}.md").write_text(text)
+        report = {"command": " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]), "commit": commit,
+                  "device": (f"{torch.cuda.get_device_name()}, bf16 target, CUDA graphs" if cuda else
+                             f"CPU ({platform.processor() or platform.machine()}), 1 thread"),
+                  "sets": {name: len(p) for name, p in sets.items()}, "skip": args.skip,
+                  "max_new_tokens": args.max_new_tokens, "temperature": 0, "rows": rows}
+        if args.speedup:
+            report["repeats"] = args.repeats
+        text = save_report(report, Path(args.out), args.name, args.speedup)   # after every row: a cut run keeps them
     print(text)
+
+
+def save_report(report: dict, out: Path, name: str, speedup: bool) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(report, indent=1))
+    text = render_speedup(report) if speedup else render(report)
+    (out / f"{name}.md").write_text(text)
+    return text
 
 
 def options_text(row: dict) -> str:
