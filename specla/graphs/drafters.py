@@ -481,12 +481,13 @@ class DeviceNgramDrafter(_DeviceDrafter):
         self.device = torch.device(device)
         self.history = torch.full((drafter.capacity,), -1, dtype=torch.long, device=self.device)
         self.length = torch.zeros(1, dtype=torch.long, device=self.device)
-        # the match, the trie and its weights are ~300 small kernels: torch.compile fuses them
-        # (as it does the block drafter's ops; the integer math is exact either way)
+        # the match, the trie, its weights and the tree search are a few hundred small
+        # kernels: torch.compile fuses them, as it does EAGLE's `grow` (integer math and
+        # comparisons: exact either way)
         self.compiled = compile
         wrap = (lambda fn: torch.compile(fn, dynamic=False)) if compile else (lambda fn: fn)
-        self._candidates = wrap(self.candidates)
-        self._append = wrap(ngram.append)
+        self._grow = wrap(self.grow)
+        self._extended = wrap(self.extended)
 
     def buffers(self) -> list[torch.Tensor]:
         return [self.history, self.length]
@@ -502,14 +503,18 @@ class DeviceNgramDrafter(_DeviceDrafter):
     @torch.no_grad()
     def observe(self, spec: GraphedSpec) -> None:
         """Append the accepted drafts and the bonus token (the next root) to the history."""
-        result = spec.result
-        a, bonus, path = result[:1], result[2:3], result[3:]
-        drafted = spec.tokens[0].index_select(0, path)             # path[0] is the root: shift by one
-        j = torch.arange(path.shape[0], device=path.device)
-        new = torch.where(j < a, drafted.roll(-1), bonus)
-        history, length = self._append(self.history, self.length, new, a + 1)
+        history, length = self._extended(spec.result, spec.tokens[0], self.history, self.length)
         self.history.copy_(history)
         self.length.copy_(length)
+
+    def extended(self, result: torch.Tensor, tokens: torch.Tensor, history: torch.Tensor,
+                 length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The history and its length after a step's `result` (a, end, bonus, path)."""
+        a, bonus, path = result[:1], result[2:3], result[3:]
+        drafted = tokens.index_select(0, path)                     # path[0] is the root: shift by one
+        j = torch.arange(path.shape[0], device=path.device)
+        new = torch.where(j < a, drafted.roll(-1), bonus)
+        return ngram.append(history, length, new, a + 1)
 
     def candidates(self, history: torch.Tensor, length: torch.Tensor):
         """The trie of the history's best continuations: node tokens, weights, and each
@@ -525,7 +530,7 @@ class DeviceNgramDrafter(_DeviceDrafter):
     @torch.no_grad()
     def grow(self, root: torch.Tensor) -> GrownTree:
         W, D = self.width, self.depth
-        node_tokens, weight, kids = self._candidates(self.history, self.length)
+        node_tokens, weight, kids = self.candidates(self.history, self.length)
 
         def rows(d: int, frontier: Frontier):
             child = kids.index_select(0, frontier.rank)                          # [F, W]
@@ -541,7 +546,7 @@ class DeviceNgramDrafter(_DeviceDrafter):
 
     @torch.no_grad()
     def propose(self, spec: GraphedSpec) -> None:
-        self.write(spec, self.grow(spec.state.root))
+        self.write(spec, self._grow(spec.state.root))
 
     def details(self, start: int, stop: int) -> list[dict]:
         return [{"drafter": "ngram"} for _ in range(stop - start)]
