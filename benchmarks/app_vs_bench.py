@@ -37,6 +37,16 @@ CASES = {  # name: the app's settings (the controls a user sets)
 }
 
 
+def case_named(text: str) -> str:
+    """A case by its name, spaces and hyphens ignored ("lilicorr_best-first_16" works where a
+    shell would split the name)."""
+    squash = lambda name: "".join(ch for ch in name.lower() if ch.isalnum())  # noqa: E731
+    found = [name for name in CASES if squash(name) == squash(text)]
+    if not found:
+        raise SystemExit(f"unknown case {text.strip()!r}; the cases are: {', '.join(CASES)}")
+    return found[0]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -114,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     from specla.acceptance import read_prompts
 
     texts = read_prompts(args.prompts, args.limit)
-    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    cases = [case_named(c) for c in args.cases.split(",") if c.strip()]
     result = {"command": " ".join(["python benchmarks/app_vs_bench.py"] + (argv or sys.argv[1:])),
               "commit": os.environ.get("SPECLA_COMMIT"), "prompt_file": str(args.prompts),
               "prompts": len(texts), "new_tokens": args.tokens, "cases": {}}

@@ -4,7 +4,8 @@
 # (write the hash out where the command is composed: on a copied tree, $(git rev-parse HEAD)
 # can read stale git metadata and record the wrong commit)
 # Stages: tests (pytest -m gpu), kernel-tests (tests/test_kernels.py on the GPU), runtime, kernels, e2e, e2e-quick,
-# app (benchmarks/app_vs_bench.py: the real app over HTTP against the bench's rows; options in APP_ARGS),
+# app (benchmarks/app_vs_bench.py: the real app over HTTP against the bench's rows; options in APP_ARGS,
+# cases named without spaces, e.g. --cases block_chain,lilicorr_best-first_16), launch-counts (kernels per step body),
 # speedup (run_acceptance.py --speedup on the GPU, SPEEDUP_ROWS), head (the LiLiCorr head's share of a GDN-1.3B-shape step; options in HEAD_ARGS), head-kernels (benchmarks/bench_lilicorr.py,
 # its options in HEAD_KERNELS_ARGS), acceptance,
 # target (a second training stage of the embedded target from assets/target; needs data/corpus). Needs the
@@ -45,6 +46,8 @@ for stage in "$@"; do
     e2e) bench e2e "${T_E2E:-520}" ${E2E_ARGS:-} ;;
     e2e-quick) bench e2e "${T_E2E:-200}" --quick ;;
     acceptance) bench acceptance "${T_ACCEPTANCE:-200}" ;;
+    launch-counts) timeout "${T_LAUNCH_COUNTS:-150}" python3 benchmarks/launch_counts.py --out "$R" ${LAUNCH_ARGS:-} \
+             2>&1 | tee "$R/log_launch_counts.txt" ;;
     speedup) # the model-free drafter beside the trained ones, on both prompt sets (needs data/corpus/*_prompts.jsonl)
       timeout "${T_SPEEDUP:-240}" python3 benchmarks/run_acceptance.py --speedup --device cuda --limit 8 \
         --max-new-tokens 128 --out "$R" --name speedup_h200 --rows ${SPEEDUP_ROWS:-ngram:chain:1:8:depth=8 \
