@@ -65,11 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tree", default="chain")
     p.add_argument("--budget", type=int, default=7)
     p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--ops", default="auto", help="the target's per-layer ops: auto | fla | fused | torch")
     args = p.parse_args(argv)
     runtime = runner.load_runtime(device=args.device)
     device = runtime.device
     # the graphed backend's bodies; on a CPU they run uncaptured (its ops are counted instead)
-    engine = runtime.engine if device.type == "cuda" else Engine(runtime.target, "graphed", use_graph=False)
+    engine = (Engine(runtime.target, "graphed", ops=args.ops) if device.type == "cuda" else
+              Engine(runtime.target, "graphed", ops=args.ops, use_graph=False))
     prompt = runtime.encode("def fibonacci(n):\n    if n < 2:\n        return n\n")
     settings = DecodeSettings(max_new_tokens=64)
     draft = DraftSettings(tree=args.tree, top_k=args.top_k, budget=args.budget, block_size=8)

@@ -241,6 +241,51 @@ def conv_gates_ref(x: torch.Tensor, window: torch.Tensor, index: torch.Tensor, w
     return q, k, v.unflatten(-1, (H, head_v_dim)), g, beta
 
 
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x), the model's arithmetic: the add rounds to x's
+    dtype, the norm runs in fp32 and rounds once."""
+    if residual is not None:
+        x = residual + x
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * weight.float()).to(x.dtype), x
+
+
+def gated_norm_ref(o: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                   activation: str) -> torch.Tensor:
+    """The attention output's norm over each head's last dimension, times act(gate)."""
+    dtype = weight.dtype if gate is None else gate.dtype
+    y, _ = rms_norm_ref(o.to(dtype), weight, eps)
+    if gate is None:
+        return y
+    return y * (torch.nn.functional.silu(gate) if activation in ("swish", "silu") else gate.sigmoid())
+
+
+def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(gate) * up
+
+
+def norm_linear_ref(x: torch.Tensor, norm_w: torch.Tensor, eps: float, residual: torch.Tensor | None,
+                    w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) @ w.T, x + residual): `triton_projection.norm_linear`."""
+    h, summed = rms_norm_ref(x, norm_w, eps, residual)
+    return torch.nn.functional.linear(h, w), summed
+
+
+def gated_norm_linear_ref(o: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                          activation: str, w: torch.Tensor) -> torch.Tensor:
+    """o [..., H, V] normed per head times act(gate [..., H*V]), projected by w [N, H*V]."""
+    y = gated_norm_ref(o, gate.unflatten(-1, o.shape[-2:]), norm_w, eps, activation)
+    return torch.nn.functional.linear(y.flatten(-2), w)
+
+
+def swiglu_linear_ref(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """silu(gate_up[..., :I]) * gate_up[..., I:], projected by w [N, I]."""
+    I = w.shape[1]
+    return torch.nn.functional.linear(swiglu_ref(gate_up[..., :I], gate_up[..., I:]), w)
+
+
 VERIFY_REFERENCES = {
     "tree": tree_verify_ref,
     "hybrid": hybrid_verify_ref,

@@ -28,7 +28,7 @@ from specla.bench.measure import FlaAR, build_fla_model
 from specla.graphs.ar import GraphedAR
 from specla.graphs.buckets import comb_tree
 from specla.graphs.decoders import GraphedDecoder
-from specla.graphs.ops import FlaOps, check_ops
+from specla.graphs.ops import FlaOps, FusedOps, check_ops
 from specla.graphs.oracle import DeviceOracle, oracle_calibrate, oracle_timed
 from specla.graphs.runtime import PackedTarget
 from specla.graphs.spec import (GraphedSpec, SpecState, SpecTopology, greedy_accept, spec_vs_ar_noise,
@@ -45,9 +45,9 @@ SMALL = GDNConfig(vocab_size=512, hidden_size=128, num_hidden_layers=3, num_head
 SHAPES = {"chain": DraftTree.chain([0] * 7), "tree": comb_tree(3, 9)}
 
 
-def setup(device, dtype, config=SMALL, prompt_len=40, seed=0):
+def setup(device, dtype, config=SMALL, prompt_len=40, seed=0, ops="auto"):
     target = random_gdn(config, device, dtype, seed=seed)
-    rt = PackedTarget(target)
+    rt = PackedTarget(target, ops)
     rng = random.Random(seed)
     prompt = [rng.randrange(config.vocab_size) for _ in range(prompt_len)]
     ar = GraphedAR(rt, max_len=320)
@@ -259,6 +259,33 @@ def test_torch_tree_verify_matches_reference():
 def test_fla_ops_match_torch_ops(config, dtype):
     failures = check_ops(FlaOps(), config, "cuda", dtype)
     assert not failures, failures
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("config", [SMALL, PUBLIC_1P3B], ids=["small", "1p3b"])
+def test_fused_projections_match_torch_ops(config, dtype):
+    failures = check_ops(FusedOps(), config, "cuda", dtype)
+    assert not failures, failures
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_graphed_spec_with_fused_projections_equals_its_ar_fp32(shape):
+    """ops="fused": the speculative step and the AR step both run the fused projections,
+    so in fp32 speculation still reproduces AR token for token, and the state a replay."""
+    _, rt, ar, snap, prompt = setup("cuda", torch.float32, ops="fused")
+    assert rt.ops.name == "fused"
+    root, n, tree = prompt[-1], 48, SHAPES[shape]
+    cont = ar_tokens(ar, snap, root, n + 4 * (tree.depth + 1))
+    spec = oracle_spec(rt, tree, cont, alpha=0.7, n=n)
+    run = oracle_calibrate(spec, ar, snap, root, n)
+    assert not run.divergences and run.tokens[:n] == cont[:n]
+    spec.state.flush()
+    ar.logits_along(snap, root, run.tokens[:-1])
+    assert torch.allclose(spec.state.cache.recurrent, ar.state.recurrent, rtol=1e-4, atol=1e-5)
 
 
 @needs_cuda

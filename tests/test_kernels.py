@@ -176,6 +176,57 @@ def check_conv_gates(parents: list[int], H: int, K: int, V: int, W: int, dtype, 
     return problems
 
 
+def check_projection(prologue: str, M: int, K: int, N: int, dtype, device, seed: int = 0,
+                     heads: int = 2) -> list[str]:
+    """One fused projection against its reference, with the inputs laid out as the runtime
+    passes them (the gate a strided column slice of a wider projection)."""
+    from kernels import triton_projection as tp
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+    w = rnd(N, K, scale=K ** -0.5)
+    norm_w = rnd(K if prologue == "norm" else K // heads, scale=0.1) + 1
+    if prologue == "norm":
+        x, res = rnd(1, M, K), rnd(1, M, K)
+        got = [*tp.norm_linear(x, norm_w, 1e-6, res, w), tp.norm_linear(x, norm_w, 1e-6, None, w)[0]]
+        want = [*reference.norm_linear_ref(x.cpu(), norm_w.cpu(), 1e-6, res.cpu(), w.cpu()),
+                reference.norm_linear_ref(x.cpu(), norm_w.cpu(), 1e-6, None, w.cpu())[0]]
+    elif prologue == "gated_norm":
+        o = torch.randn(1, M, heads, K // heads, generator=gen).to(device)            # fp32, as the recurrence gives it
+        wide = rnd(1, M, K + 7)
+        gate = wide[..., 3:3 + K]
+        got = [tp.gated_norm_linear(o, gate, norm_w, 1e-6, "swish", w),
+               tp.gated_norm_linear(o, gate, norm_w, 1e-6, "sigmoid", w)]
+        want = [reference.gated_norm_linear_ref(o.cpu(), gate.cpu(), norm_w.cpu(), 1e-6, act, w.cpu())
+                for act in ("swish", "sigmoid")]
+    else:
+        gu = rnd(1, M, 2 * K)
+        got, want = [tp.swiglu_linear(gu, w)], [reference.swiglu_linear_ref(gu.cpu(), w.cpu())]
+    # fp32: rounding only; bf16: every op's output is rounded to bf16 (one ulp is 2^-8). Triton's
+    # CPU interpreter truncates fp32 -> bf16 instead of rounding to nearest (checked: its casts
+    # equal a mask of the low 16 bits), which biases the gated norm's four roundings by ~1.3%
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    tol = RTOL if dtype == torch.float32 else 2e-2 if interpreted else 1e-2
+    return [f"output {i}: relative error {rel_err(g, r):.2e}" for i, (g, r) in enumerate(zip(got, want))
+            if not (g.shape == r.shape and rel_err(g, r) < tol)]
+
+
+PROJECTION_CASES = [("norm", 1, 384, 1548), ("norm", 9, 384, 2048), ("norm", 64, 2048, 512),
+                    ("gated_norm", 1, 384, 384), ("gated_norm", 17, 2048, 2048),
+                    ("swiglu", 1, 1024, 384), ("swiglu", 16, 5632, 2048)]
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("prologue,M,K,N", PROJECTION_CASES, ids=lambda x: str(x))
+def test_projection_matches_reference(prologue, M, K, N, dtype):
+    """At the embedded model's and the GDN-1.3B shape's widths (heads of 64 and 256)."""
+    heads = 6 if K == 384 else 8
+    assert not check_projection(prologue, M, K, N, dtype, "cuda", seed=M + K, heads=heads)
+
+
 HEAD_SHAPES = {  # name: (HeadConfig fields, slots, top_k, vocab)
     "embedded": (dict(drafter_width=256, target_hidden=384, width=128, heads=4, layers=2,
                       mlp_hidden=256, max_slots=7, max_k=8), 7, 8, 4096),
@@ -530,6 +581,14 @@ def interpreter_cases(group: str):
         for shape in ("odd", "wide"):
             yield f"lilicorr-draft-{shape}", lambda shape=shape: check_lilicorr_draft(shape, dev, seed=6)
         return
+    if group == "projection":
+        for prologue in ("norm", "gated_norm", "swiglu"):
+            # two heads: the gated norm's of 32 and 64; K = 96 (not a power of two) for the others
+            for M, K, N in ((1, 64, 48), (5, 64 if prologue == "gated_norm" else 96, 40), (17, 128, 33)):
+                for dtype in (torch.float32, torch.bfloat16):
+                    yield (f"projection-{prologue}-M{M}-K{K}-N{N}-{dtype}",
+                           lambda a=(prologue, M, K, N, dtype): check_projection(*a, dev, seed=a[1]))
+        return
     if group == "commit":
         for T in (0, 1, 5):
             yield f"commit-T{T}-H2-K16-V32", lambda T=T: check_commit(2, T, 2, 16, 32, dev, seed=T)
@@ -574,7 +633,7 @@ def run_interpreter_group(group: str) -> int:
     return failures
 
 
-@pytest.mark.parametrize("group", ["chain", "tree", "hybrid", "commit", "conv_gates", "lilicorr"])
+@pytest.mark.parametrize("group", ["chain", "tree", "hybrid", "commit", "conv_gates", "lilicorr", "projection"])
 def test_interpreter(group):
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
@@ -589,7 +648,7 @@ if __name__ == "__main__":
         if os.environ.get("TRITON_INTERPRET") != "1":
             sys.exit("set TRITON_INTERPRET=1 (before triton is imported) to run on the CPU")
         sys.exit(1 if run_interpreter_group(sys.argv[2]) else 0)
-    sys.exit(f"usage: TRITON_INTERPRET=1 python {sys.argv[0]} --interpreter chain|tree|hybrid|commit|conv_gates|lilicorr")
+    sys.exit(f"usage: TRITON_INTERPRET=1 python {sys.argv[0]} --interpreter chain|tree|hybrid|commit|conv_gates|lilicorr|projection")
 
 
 def test_head_dims_outside_the_kernels_run_the_references():

@@ -74,21 +74,32 @@ class TorchOps:
 
     def rms_norm(self, x, weight, eps, residual=None):
         """(norm(residual + x), residual + x): the residual add rides on the norm."""
-        if residual is not None:
-            x = residual + x
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-        return (x32 * weight.float()).to(x.dtype), x
+        return reference.rms_norm_ref(x, weight, eps, residual)
 
     def gated_norm(self, o, gate, weight, eps, activation):
-        dtype = weight.dtype if gate is None else gate.dtype
-        y, _ = self.rms_norm(o.to(dtype), weight, eps)
-        if gate is None:
-            return y
-        return y * (F.silu(gate) if activation in ("swish", "silu") else gate.sigmoid())
+        """o [..., H, V] normed over each head, times act(gate [..., H, V]) (None: no gate)."""
+        return reference.gated_norm_ref(o, gate, weight, eps, activation)
 
     def swiglu(self, gate, up):
-        return F.silu(gate) * up
+        return reference.swiglu_ref(gate, up)
+
+    # each projection with the op in front of it: separate kernels here, one in FusedOps
+    def norm_linear(self, x, weight, eps, residual, w):
+        """(rms_norm(residual + x) @ w.T, residual + x)."""
+        h, residual = self.rms_norm(x, weight, eps, residual)
+        return F.linear(h, w), residual
+
+    def gated_norm_linear(self, o, gate, weight, eps, activation, w):
+        """o [B,N,H,V] normed per head times act(gate [B,N,H*V] or None), projected by w."""
+        if gate is not None:
+            gate = gate.unflatten(-1, o.shape[-2:])
+        y = self.gated_norm(o, gate, weight, eps, activation)
+        return F.linear(y.flatten(-2).to(w.dtype), w)
+
+    def swiglu_linear(self, gate_up, w):
+        """(silu(gate_up[..., :I]) * gate_up[..., I:]) @ w.T, I = w's input width."""
+        I = w.shape[1]
+        return F.linear(self.swiglu(gate_up[..., :I], gate_up[..., I:]), w)
 
     def conv(self, x, window, index, weight, bias):
         """Short conv along each node's ancestor path: x [1,N,C], window [1,C,W-1] (oldest
@@ -222,6 +233,39 @@ class FlaOps(TorchOps):
         return o
 
 
+class FusedOps(FlaOps):
+    """FlaOps with each projection and the op in front of it in one Triton kernel
+    (`kernels/triton_projection.py`): residual add + RMSNorm into the input and MLP
+    projections, the gated norm into the output projection, SwiGLU into the down projection.
+    Four fewer launches per layer; rows beyond the kernel's limit (long prefill chunks) and
+    shapes it does not take use FlaOps' separate kernels."""
+    name = "fused"
+
+    def __init__(self):
+        super().__init__()
+        from kernels import triton_projection
+        self._projection = triton_projection
+
+    def _fits(self, x) -> bool:
+        return x.is_cuda and x.numel() // x.shape[-1] <= self._projection.MAX_ROWS
+
+    def norm_linear(self, x, weight, eps, residual, w):
+        if not self._fits(x):
+            return super().norm_linear(x, weight, eps, residual, w)
+        return self._projection.norm_linear(x, weight, eps, residual, w)
+
+    def gated_norm_linear(self, o, gate, weight, eps, activation, w):
+        V = o.shape[-1]
+        if gate is None or not self._fits(gate) or V < 16 or V & (V - 1):
+            return super().gated_norm_linear(o, gate, weight, eps, activation, w)
+        return self._projection.gated_norm_linear(o, gate, weight, eps, activation, w)
+
+    def swiglu_linear(self, gate_up, w):
+        if not self._fits(gate_up):
+            return super().swiglu_linear(gate_up, w)
+        return self._projection.swiglu_linear(gate_up, w)
+
+
 def check_ops(ops: TorchOps, config: GDNConfig, device, dtype, seed: int = 0) -> list[str]:
     """Compare every op of `ops` with TorchOps on random data; returns the failures."""
     ref, failures = TorchOps(), []
@@ -251,6 +295,17 @@ def check_ops(ops: TorchOps, config: GDNConfig, device, dtype, seed: int = 0) ->
           ref.gated_norm(o, gate, wo, config.norm_eps, act), tol)
     gu = rnd(1, 3, 64)
     close("swiglu", ops.swiglu(gu[..., :32], gu[..., 32:]), ref.swiglu(gu[..., :32], gu[..., 32:]), tol)
+    # the projections with their prologues, at the model's widths (3 rows: a short draft)
+    w_in, w_out, w_down = rnd(2 * D, D, scale=D ** -0.5), rnd(D, H * Vh, scale=0.1), rnd(D, 32, scale=0.2)
+    for with_res in (False, True):
+        got = ops.norm_linear(x, w, config.norm_eps, res if with_res else None, w_in)
+        want = ref.norm_linear(x, w, config.norm_eps, res if with_res else None, w_in)
+        close(f"norm_linear(res={with_res})", got[0], want[0], tol)
+        close(f"norm_linear residual(res={with_res})", got[1], want[1], tol)
+    flat_gate = gate.flatten(-2)
+    close("gated_norm_linear", ops.gated_norm_linear(o, flat_gate, wo, config.norm_eps, act, w_out),
+          ref.gated_norm_linear(o, flat_gate, wo, config.norm_eps, act, w_out), tol)
+    close("swiglu_linear", ops.swiglu_linear(gu, w_down), ref.swiglu_linear(gu, w_down), tol)
     xin, cw = rnd(1, 1, C), rnd(C, W, scale=0.5)
     cache1, cache2 = rnd(1, C, W), None
     cache2 = cache1.clone()
@@ -300,12 +355,14 @@ def check_ops(ops: TorchOps, config: GDNConfig, device, dtype, seed: int = 0) ->
 
 
 def make_ops(name: str, config: GDNConfig, device, dtype) -> tuple[TorchOps, str]:
-    """The op set for `name` (auto | fla | torch) and a note saying what was chosen and why."""
+    """The op set for `name` (auto | fla | fused | torch) and a note saying what was chosen
+    and why. auto is fla's kernels on CUDA: the fused projections wait for their H200
+    measurement before they become anyone's default."""
     device = torch.device(device)
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchOps(), "torch ops" + ("" if name == "torch" else " (no CUDA)")
     try:
-        ops = FlaOps()
+        ops = FusedOps() if name == "fused" else FlaOps()
         # the in-place launch of fla's recurrent kernel must match fla's own wrapper
         probe = check_ops(ops, config, device, dtype)
         if any(f.startswith("recurrent") for f in probe):
@@ -317,9 +374,10 @@ def make_ops(name: str, config: GDNConfig, device, dtype) -> tuple[TorchOps, str
         if probe:
             raise RuntimeError("; ".join(probe))
         note = ("fla fused kernels" + ("" if ops.inplace_recurrent else " (recurrent state copied back)")
-                + ("" if ops.fused_conv_gates else " (conv + gates unfused: its kernel failed its check)"))
+                + ("" if ops.fused_conv_gates else " (conv + gates unfused: its kernel failed its check)")
+                + (" + fused projections (norm, gated norm, SwiGLU inside the projection)" if name == "fused" else ""))
         return ops, note
     except Exception as err:  # noqa: BLE001 - any failure means: use the plain-torch ops
-        if name == "fla":
+        if name in ("fla", "fused"):
             raise
         return TorchOps(), f"torch ops (fla kernels unusable: {type(err).__name__}: {err})"

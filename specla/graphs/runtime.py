@@ -99,30 +99,24 @@ class PackedTarget:
 
     def attn_out(self, o, gate, layer: PackedLayer):
         c = self.config
-        B, N = o.shape[:2]
-        if gate is not None:
-            gate = gate.view(B, N, c.num_heads, c.head_v_dim)
-        o = self.ops.gated_norm(o, gate, layer.o_norm, c.norm_eps, c.output_gate_activation)
-        return F.linear(o.reshape(B, N, c.value_dim).to(self.dtype), layer.w_o)
+        return self.ops.gated_norm_linear(o, gate, layer.o_norm, c.norm_eps, c.output_gate_activation, layer.w_o)
 
-    def mlp(self, h, layer: PackedLayer):
-        I = self.config.mlp_size
-        gu = F.linear(h, layer.w_gate_up)
-        return F.linear(self.ops.swiglu(gu[..., :I], gu[..., I:]), layer.w_down)
+    def mlp(self, x, residual, layer: PackedLayer):
+        """The MLP block's output and the residual stream before it."""
+        gu, residual = self.ops.norm_linear(x, layer.mlp_norm, self.config.norm_eps, residual, layer.w_gate_up)
+        return self.ops.swiglu_linear(gu, layer.w_down), residual
 
     def ar_forward(self, token: torch.Tensor, state: StaticState) -> torch.Tensor:
         """One token [1,1] -> logits [1, vocab] fp32; the state is updated in place."""
         c, ops = self.config, self.ops
         x, residual = F.embedding(token, self.embed), None
         for l, layer in enumerate(self.layers):
-            h, residual = ops.rms_norm(x, layer.attn_norm, c.norm_eps, residual)
-            conv_in, gate, a, b = self.split_in(F.linear(h, layer.w_in))
+            y, residual = ops.norm_linear(x, layer.attn_norm, c.norm_eps, residual, layer.w_in)
+            conv_in, gate, a, b = self.split_in(y)
             qkv = ops.conv_step(conv_in, state.conv[l], layer.conv_w, layer.conv_b, self.index1)
             q, k, v = self.split_qkv(qkv)
             o = ops.recurrent_step(q, k, v, a, b, state.recurrent[l], layer, c)
-            x = self.attn_out(o, gate, layer)
-            h, residual = ops.rms_norm(x, layer.mlp_norm, c.norm_eps, residual)
-            x = self.mlp(h, layer)
+            x, residual = self.mlp(self.attn_out(o, gate, layer), residual, layer)
         h, _ = ops.rms_norm(x, self.norm_w, c.norm_eps, residual)
         return self.head(h)
 
@@ -138,17 +132,15 @@ class PackedTarget:
         c, ops = self.config, self.ops
         x, residual, feats = F.embedding(tokens.clamp(min=0), self.embed), None, []
         for l, layer in enumerate(self.layers):
-            h, residual = ops.rms_norm(x, layer.attn_norm, c.norm_eps, residual)
-            conv_in, gate, a, b = self.split_in(F.linear(h, layer.w_in))
+            y, residual = ops.norm_linear(x, layer.attn_norm, c.norm_eps, residual, layer.w_in)
+            conv_in, gate, a, b = self.split_in(y)
             out = None if factors is None else (factors.k[l], factors.g[l], factors.conv_in[l])
             q, k, v, g, beta = ops.conv_gates(conv_in, a, b, state.conv[l][..., 1:], conv_index,
                                               layer, c, out)
             o, delta = verify_fn(l, q, k, v, g, beta, state.recurrent[l])
             if factors is not None:
                 factors.delta[l].copy_(delta)
-            x = self.attn_out(o, gate, layer)
-            h, residual = ops.rms_norm(x, layer.mlp_norm, c.norm_eps, residual)
-            x = self.mlp(h, layer)
+            x, residual = self.mlp(self.attn_out(o, gate, layer), residual, layer)
             if l in feature_layers:
                 feats.append(residual + x)        # the block's output, as the model returns it
         h, _ = ops.rms_norm(x, self.norm_w, c.norm_eps, residual)
