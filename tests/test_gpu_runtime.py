@@ -256,17 +256,9 @@ def test_torch_tree_verify_matches_reference():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("config", [SMALL, PUBLIC_1P3B], ids=["small", "1p3b"])
-def test_fla_ops_match_torch_ops(config, dtype):
-    failures = check_ops(FlaOps(), config, "cuda", dtype)
-    assert not failures, failures
-
-
-@needs_cuda
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("config", [SMALL, PUBLIC_1P3B], ids=["small", "1p3b"])
-def test_fused_projections_match_torch_ops(config, dtype):
-    failures = check_ops(FusedOps(), config, "cuda", dtype)
+@pytest.mark.parametrize("ops", [FlaOps, FusedOps], ids=["fla", "fused"])
+def test_fla_ops_match_torch_ops(ops, config, dtype):
+    failures = check_ops(ops(), config, "cuda", dtype)
     assert not failures, failures
 
 
