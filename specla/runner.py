@@ -527,7 +527,8 @@ def run(runtime: Runtime, prompt: str, settings: dict | None = None) -> Iterator
     """Measure AR, then decode speculatively through the engine; yield what the page shows.
 
     Yields a status line (str) while measuring or capturing, `None` after each decoded step
-    with nothing new to draw (so a consumer can stop between any two steps), and traces: a
+    with nothing new to draw (so a consumer can stop between any two steps; on the graphed
+    backend, whose steps are decoded in batches, at most every HEARTBEAT_SECONDS), and traces: a
     partial one now and then, the complete one last. Every trace is a snapshot: nothing in
     it changes after it is yielded.
 
@@ -574,6 +575,7 @@ def run(runtime: Runtime, prompt: str, settings: dict | None = None) -> Iterator
     baseline = _baseline(ar.ms_per_token, len(ar.tokens), ar.runs_ms_per_token)
     steps: list[dict] = []
     seconds, last_yield = 0.0, time.perf_counter()
+    last_beat = last_yield
     yield make([], 0.0, baseline)
     for rec in engine.speculate(tokens, drafter, decode, _draft_settings(s), eos):
         steps.append(tr.step_to_dict(rec))
@@ -582,9 +584,12 @@ def run(runtime: Runtime, prompt: str, settings: dict | None = None) -> Iterator
         if len(steps) == 1:
             clock.stage("first_step")
         if len(steps) == 1 or now - last_yield >= UPDATE_SECONDS:    # the first step is drawn at once
-            last_yield = now
+            last_yield = last_beat = now
             yield make(list(steps), seconds, baseline)
-        else:
+        elif not graphed or now - last_beat >= HEARTBEAT_SECONDS:
+            # graphed: a batch of steps was decoded before its records arrive, so a heartbeat
+            # per record would only cost a page update each (~10 ms) with nothing left to stop
+            last_beat = now
             yield None
     extra: dict[str, Any] = {}
     if not graphed:
@@ -598,6 +603,7 @@ def run(runtime: Runtime, prompt: str, settings: dict | None = None) -> Iterator
 
 
 UPDATE_SECONDS = 0.25         # at most this often a partial trace is drawn while decoding
+HEARTBEAT_SECONDS = 0.05      # graphed backend: at most this often an empty update (a place to Stop)
 
 
 class _StageClock:

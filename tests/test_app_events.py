@@ -100,6 +100,24 @@ def test_run_streams_partial_traces_then_the_complete_one(ex):
     json.dumps(trace)   # JSON-able: what gr.State and the export need
 
 
+def test_a_graphed_run_does_not_yield_a_heartbeat_per_batched_step(rt):
+    """The graphed backend decodes steps in batches before their records arrive: the run
+    yields far fewer empty updates than steps, and the same trace as one with a heartbeat each."""
+    import dataclasses
+
+    from specla.engine import Engine
+
+    graphed = dataclasses.replace(rt, engine=Engine(rt.target, "graphed", use_graph=False))
+    settings = {"drafter": runner.ORACLE, "max_new_tokens": 48}
+    updates = list(runner.run(graphed, "def f(x):\n", settings))
+    trace = [u for u in updates if isinstance(u, dict)][-1]
+    assert trace["engine"]["backend"] == "graphed"
+    heartbeats = sum(u is None for u in updates)
+    assert len(trace["steps"]) >= 10 and heartbeats < len(trace["steps"]) / 2
+    eager = [u for u in runner.run(rt, "def f(x):\n", settings) if isinstance(u, dict)][-1]
+    assert trace["output"]["tokens"] == eager["output"]["tokens"]
+
+
 def test_the_first_step_is_drawn_at_once_and_the_stages_are_timed(rt):
     updates = [u for u in runner.run(rt, "def f(x):\n", {"drafter": runner.ORACLE, "max_new_tokens": 24})
                if isinstance(u, dict)]
