@@ -43,18 +43,28 @@ def resolve_mode(mode: str, topo, device_type: str = "cuda") -> str:
 def verify_layer(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                  beta: torch.Tensor, S0: torch.Tensor, topo,
                  pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 out: tuple[torch.Tensor, torch.Tensor] | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Outputs and deltas of every node of `topo` for one layer.
 
     The state S0 [B,H,K,V] is written only when `pending` (k, delta, g of accepted tokens
     from the previous step, [B,P,...]) is given: those are folded into S0 in place first.
+    out: (o, delta) buffers, fp32 contiguous [B,N,H,V], that the kernels write directly; the
+    references copy their delta into out[1]. The delta returned is then out[1].
     """
     mode = resolve_mode(mode, topo, q.device.type)
     # The Triton kernels are inference-only; with autograd on (training our plain-torch model
     # on a GPU) the differentiable references run instead.
     if kernels_apply(S0) and not torch.is_grad_enabled():
         from kernels import triton_verify  # imported lazily: CPU machines need no triton
-        return triton_verify.verify(mode, q, k, v, g, beta, S0, topo, pending=pending)
+        return triton_verify.verify(mode, q, k, v, g, beta, S0, topo, pending=pending, out=out)
+    o, delta = _verify_reference(mode, q, k, v, g, beta, S0, topo, pending)
+    if out is None:
+        return o, delta
+    return o, out[1].copy_(delta)
+
+
+def _verify_reference(mode, q, k, v, g, beta, S0, topo, pending):
     if pending is not None:
         commit_layer(S0, *pending)
     if mode == "chain":

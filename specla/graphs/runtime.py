@@ -124,7 +124,8 @@ class PackedTarget:
                      verify_fn: Callable, factors: Factors | None = None,
                      feature_layers: tuple[int, ...] = ()):
         """All nodes of a draft tree (tokens [1,N], -1 = dummy) from `state`, which only
-        `verify_fn(layer, q, k, v, g, beta, S)` may write (to fold a pending commit in).
+        `verify_fn(layer, q, k, v, g, beta, S, out)` may write (to fold a pending commit in);
+        `out` is None or the (o, delta) buffers it may fill and return.
 
         Returns logits [N, vocab] fp32, last hidden [N, D], features [N, F, D] or None; the
         factors of every node are written into `factors` ([L,1,N,...] buffers).
@@ -137,8 +138,10 @@ class PackedTarget:
             out = None if factors is None else (factors.k[l], factors.g[l], factors.conv_in[l])
             q, k, v, g, beta = ops.conv_gates(conv_in, a, b, state.conv[l][..., 1:], conv_index,
                                               layer, c, out)
-            o, delta = verify_fn(l, q, k, v, g, beta, state.recurrent[l])
-            if factors is not None:
+            # the deltas are factors: the kernels write them straight into the commit buffer
+            out = None if factors is None else (torch.empty_like(factors.delta[l]), factors.delta[l])
+            o, delta = verify_fn(l, q, k, v, g, beta, state.recurrent[l], out)
+            if factors is not None and delta is not factors.delta[l]:
                 factors.delta[l].copy_(delta)
             x, residual = self.mlp(self.attn_out(o, gate, layer), residual, layer)
             if l in feature_layers:
@@ -170,8 +173,8 @@ class PackedTarget:
             topo = Topology.chain(n, self.config.conv_size, self.device)
             factors = self.new_factors(n)
 
-            def verify(l, q, k, v, g, beta, S, topo=topo):
-                return verify_layer("chain", q, k, v, g, beta, S, topo)
+            def verify(l, q, k, v, g, beta, S, out, topo=topo):
+                return verify_layer("chain", q, k, v, g, beta, S, topo, out=out)
 
             _, hidden, f = self.tree_forward(piece, state, topo.conv_index, verify, factors, feature_layers)
             for l in range(self.config.num_hidden_layers):

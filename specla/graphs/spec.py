@@ -349,14 +349,14 @@ class GraphedSpec:
                 self._capture("step")
 
     # ---- phases
-    def _verify_layer(self, l, q, k, v, g, beta, S):
+    def _verify_layer(self, l, q, k, v, g, beta, S, out=None):
         from specla.verify import verify_layer
 
         st = self.state
         pending = (st.pk[l], st.pd[l], st.pg[l]) if self.deferred else None
         if self.recurrence == "torch":
             return torch_tree_verify(q, k, v, g, beta, S, self.topo, pending)
-        return verify_layer(self.mode, q, k, v, g, beta, S, self.topo.model_topo, pending=pending)
+        return verify_layer(self.mode, q, k, v, g, beta, S, self.topo.model_topo, pending=pending, out=out)
 
     def verify(self) -> None:
         self.tokens[0, :1].copy_(self.state.root)
