@@ -128,7 +128,9 @@ def _launch(prologue: str, x2, w, *, res=None, res_out=None, gate=None, norm_w=N
     y = torch.empty(M, N, device=x2.device, dtype=w.dtype)
     BM = max(16, triton.next_power_of_2(M))
     BK = block_k or min(128, max(16, triton.next_power_of_2(K)))
-    BN = 32 if N >= 1024 else 16        # enough programs to spread the weights over the SMs
+    # one program per BN columns streams BN x K weights: narrow blocks keep more SMs busy (there
+    # is no split-K, so a GDN-1.3B-width matrix still loads each program with ~180 KB)
+    BN = 16 if N < 4096 else 32
     dummy = y
     _projection_kernel[(triton.cdiv(N, BN),)](
         x2, x2.stride(0), res if res is not None else dummy, res.stride(0) if res is not None else 0,
