@@ -164,6 +164,14 @@ def save_report(report: dict, out: Path, name: str, speedup: bool) -> str:
     return text
 
 
+ROW_HEAD = "| drafter | tree | top-k | budget | options | "     # every table's first five columns
+
+
+def row_head(row: dict) -> str:
+    """A row's first five cells, as ROW_HEAD names them."""
+    return f"| {row['drafter']} | {row['tree']} | {row['top_k']} | {row['budget']} | {options_text(row)} | "
+
+
 def options_text(row: dict) -> str:
     text = ", ".join(f"{k}={v}" for k, v in row["options"].items())
     if "tree_sharpness" in row and "sharpness" not in row["options"]:
@@ -183,8 +191,7 @@ def render(report: dict) -> str:
              "checked token for token against AR.", "",
              "Prompt sets: " + ", ".join(f"{n} ({k} prompts)" for n, k in report["sets"].items()) + skipped
              + ".", "",
-             "| drafter | tree | top-k | budget | options | " + " | ".join(
-                 f"tau {n} | vs block chain" for n in names) + " | mismatching prompts |",
+             ROW_HEAD + " | ".join(f"tau {n} | vs block chain" for n in names) + " | mismatching prompts |",
              "|---|---|---|---|---|" + "---|---|" * len(names) + "---|"]
     for r in report["rows"]:
         cells = []
@@ -192,18 +199,15 @@ def render(report: dict) -> str:
             tau = r["sets"][n]["tau"]
             gain = f"{100 * (tau / base[n] - 1):+.1f}%" if base[n] else ""
             cells += [f"{tau:.3f}", gain]
-        opts = options_text(r)
         bad = sum(r["sets"][n]["mismatching_prompts"] or 0 for n in names)
-        lines.append(f"| {r['drafter']} | {r['tree']} | {r['top_k']} | {r['budget']} | {opts} | "
-                     + " | ".join(cells) + f" | {bad} |")
+        lines.append(row_head(r) + " | ".join(cells) + f" | {bad} |")
     for n in names:
         lines += ["", f"Per-position acceptance, {n}:", "",
-                  "| drafter | tree | top-k | budget | options | per-position acceptance |",
+                  ROW_HEAD + "per-position acceptance |",
                   "|---|---|---|---|---|---|"]
         for r in report["rows"]:
             pos = ", ".join(f"{p:.2f}" for p in r["sets"][n]["per_position_acceptance"][:8])
-            opts = options_text(r)
-            lines.append(f"| {r['drafter']} | {r['tree']} | {r['top_k']} | {r['budget']} | {opts} | {pos} |")
+            lines.append(row_head(r) + f"{pos} |")
     return "\n".join(lines) + "\n"
 
 
@@ -221,8 +225,8 @@ def render_speedup(report: dict) -> str:
              f"app measures (`specla.runner.run`: {how}); ms/token is the median over prompts, the speedup "
              f"the ratio of the medians; every run {check}.", "",
              "Prompt sets: " + ", ".join(f"{n} ({k} prompts)" for n, k in report["sets"].items()) + ".", "",
-             "| drafter | tree | top-k | budget | options | " + " | ".join(
-                 f"{n}: tau | ms/token | AR ms/token | speedup" for n in names) + " | mismatching prompts |",
+             ROW_HEAD + " | ".join(f"{n}: tau | ms/token | AR ms/token | speedup" for n in names)
+             + " | mismatching prompts |",
              "|---|---|---|---|---|" + "---|---|---|---|" * len(names) + "---|"]
     for r in report["rows"]:
         cells = []
@@ -232,8 +236,7 @@ def render_speedup(report: dict) -> str:
                       f"{x['ar_ms_per_token']['median']:.2f}", f"{x['speedup']:.2f}x"]
         bad = sum(r["sets"][n]["mismatching_prompts"] for n in names)
         unexcused = sum(r["sets"][n].get("exact", {}).get("unexcused", 0) for n in names)
-        lines.append(f"| {r['drafter']} | {r['tree']} | {r['top_k']} | {r['budget']} | {options_text(r)} | "
-                     + " | ".join(cells) + f" | {bad}" + (f" ({unexcused} unexcused)" if gpu else "") + " |")
+        lines.append(row_head(r) + " | ".join(cells) + f" | {bad}" + (f" ({unexcused} unexcused)" if gpu else "") + " |")
     return "\n".join(lines) + "\n"
 
 
