@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+STARTED = time.perf_counter()
 sys.path.insert(0, str(ROOT))
 
 CASES = {  # name: the app's settings (the controls a user sets)
@@ -90,7 +91,7 @@ def app_run(client, prompt: str, settings: dict) -> tuple[dict, float | None]:
     start = time.perf_counter()
     job = client.submit(prompt=prompt, **kwargs, api_name="/run")
     first_step, timeline = None, []
-    for update in job:
+    for update in arrivals(job):
         status = update[0] if isinstance(update, (list, tuple)) else update
         if isinstance(status, str) and (not timeline or timeline[-1][1] != status[:60]) and len(timeline) < 8:
             timeline.append((round(time.perf_counter() - start, 3), status[:60]))   # when each status arrived
@@ -104,6 +105,23 @@ def app_run(client, prompt: str, settings: dict) -> tuple[dict, float | None]:
     trace = json.loads(Path(path).read_text())
     trace["client_timeline"] = timeline
     return trace, first_step
+
+
+def arrivals(job, poll_s: float = 0.002):
+    """The job's outputs as they arrive. gradio_client's own iterator (`for update in job`)
+    sleeps while it holds the lock its reader thread needs to append each output, so that
+    thread can wait seconds for it: the updates then reach the caller late, all at once. This
+    polls with the lock free."""
+    seen = 0
+    while True:
+        done = job.done()                 # read first: the outputs read next are then complete
+        outputs = job.outputs()
+        while seen < len(outputs):
+            yield outputs[seen]
+            seen += 1
+        if done:
+            return
+        time.sleep(poll_s)
 
 
 def median(xs):
@@ -132,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     proc = start_app(port, args.out / "app_server.log", args.app_args.split())
     try:
         client = connect(f"http://127.0.0.1:{port}/", proc)
+        print(f"[app] up at {client.src} [{time.perf_counter() - STARTED:.0f} s]", flush=True)
         for name in cases:
             settings = dict(CASES[name], max_new_tokens=args.tokens)
             app_run(client, texts[0], settings)                      # warm: captures for these settings
@@ -148,13 +167,17 @@ def main(argv: list[str] | None = None) -> int:
                 "app_engine": traces[0].get("engine"), "app_exactness": [t.get("exactness") for t in traces],
                 "seconds_to_first_step": latency, "stages_ms": [t.get("latency_ms") for t in traces],
                 "client_timelines": [t["client_timeline"] for t in traces]}
-            print(f"[app] {name}: speedup {median(result['cases'][name]['app_speedups']):.2f}x", flush=True)
+            print(f"[app] {name}: speedup {median(result['cases'][name]['app_speedups']):.2f}x, first step "
+                  f"{median(latency):.2f} s after Run (median) [{time.perf_counter() - STARTED:.0f} s]", flush=True)
             bench_case(result, name, texts, args)
             save(args.out, result)
         result["two_sessions"] = two_sessions(f"http://127.0.0.1:{port}/", read_prompts(args.prompts, 2), args.tokens)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+    # the server's side of the same latency, every run in order (warm-ups and the two sessions too)
+    result["server_first_step_ms"] = [float(ms) for ms in re.findall(
+        r"first step drawn (\d+) ms after Run", (args.out / "app_server.log").read_text())]
     save(args.out, result)
     bench_rest(result, texts, args)
     save(args.out, result)
@@ -215,7 +238,8 @@ def bench_case(result: dict, name: str, texts: list[str], args) -> None:
     case["bench_split_ms_per_step"] = row["time_split_ms_per_step"]
     case["bench_engine"] = row["engine"]
     case["bench_exact"] = row["exact"]
-    print(f"[bench] {name}: speedup {row['speedup']:.2f}x, app / bench {case['app_over_bench_speedup']:.3f}",
+    print(f"[bench] {name}: speedup {row['speedup']:.2f}x, app / bench {case['app_over_bench_speedup']:.3f} "
+          f"[{time.perf_counter() - STARTED:.0f} s]",
           flush=True)
 
 

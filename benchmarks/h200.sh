@@ -34,7 +34,7 @@ for stage in "$@"; do
   echo "=== stage $stage"
   case $stage in
     tests) timeout "${T_TESTS:-420}" python3 -m pytest -v -m gpu -p no:cacheprovider --durations=20 \
-             -k "${TESTS_K:-}" ${TESTS_FILES:-tests/test_gpu_runtime.py tests/test_device_drafter.py tests/test_backends.py} > "$R/gpu_tests.txt" 2>&1; tail -30 "$R/gpu_tests.txt" ;;
+             -k "${TESTS_K:-}" ${TESTS_FILES:-tests/test_gpu_runtime.py tests/test_device_drafter.py tests/test_backends.py tests/test_gpu_app.py} > "$R/gpu_tests.txt" 2>&1; tail -30 "$R/gpu_tests.txt" ;;
     kernel-tests) timeout "${T_KERNEL_TESTS:-400}" python3 -m pytest -v -p no:cacheprovider \
              tests/test_kernels.py -k "${KERNEL_TESTS:-not interpreter}" > "$R/gpu_kernel_tests.txt" 2>&1
            tail -5 "$R/gpu_kernel_tests.txt" ;;

@@ -1,17 +1,21 @@
 """Kernel launches and GPU time per kernel of one AR step and of each phase of one speculative step.
 
     python benchmarks/launch_counts.py --out DIR [--device cuda] [--drafter block] [--tree chain]
+        [--ops fla,fused] [--speed-prompts data/corpus/heldout_prompts.jsonl]
 
 Builds the engine on the embedded pair (assets/), captures the graphed AR step and the
 speculative decoder for the settings, then runs each body once more, uncaptured, under
 torch.profiler: the kernels a body launches are the kernels its CUDA graph replays. Both
 variants of the acceptance phase are counted, compiled (what the engine captures on CUDA)
-and plain, so the effect of fusing it reads off one file. Writes launch_counts.json: per
-body the kernel count, the summed kernel time, and its ten longest kernels.
+and plain, so the effect of fusing it reads off one file. Several op sets (`--ops fla,fused`)
+are compared in one run; with `--speed-prompts` each is also timed end to end through the
+app's measurement. Writes launch_counts.json: per op set and body the kernel count, the
+summed kernel time, and its ten longest kernels.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -25,9 +29,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from specla import runner  # noqa: E402
+from specla.acceptance import read_prompts  # noqa: E402
 from specla.decode import DecodeSettings  # noqa: E402
 from specla.drafters.base import DraftSettings  # noqa: E402
 from specla.engine import Engine  # noqa: E402
+
+PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
 
 
 def kernels_of(body, device: torch.device, repeats: int = 3) -> dict:
@@ -57,22 +64,12 @@ def kernels_of(body, device: torch.device, repeats: int = 3) -> dict:
                     for n, us in total.most_common(10)]}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--drafter", default="block")
-    p.add_argument("--tree", default="chain")
-    p.add_argument("--budget", type=int, default=7)
-    p.add_argument("--top-k", type=int, default=4)
-    p.add_argument("--ops", default="auto", help="the target's per-layer ops: auto | fla | fused | torch")
-    args = p.parse_args(argv)
-    runtime = runner.load_runtime(device=args.device)
+def count_bodies(runtime, ops: str, args) -> dict:
+    """The kernels of each body of one step with the target's per-layer `ops`."""
     device = runtime.device
     # the graphed backend's bodies; on a CPU they run uncaptured (its ops are counted instead)
-    engine = (Engine(runtime.target, "graphed", ops=args.ops) if device.type == "cuda" else
-              Engine(runtime.target, "graphed", ops=args.ops, use_graph=False))
-    prompt = runtime.encode("def fibonacci(n):\n    if n < 2:\n        return n\n")
+    engine = Engine(runtime.target, "graphed", ops=ops, use_graph=None if device.type == "cuda" else False)
+    prompt = runtime.encode(PROMPT)
     settings = DecodeSettings(max_new_tokens=64)
     draft = DraftSettings(tree=args.tree, top_k=args.top_k, budget=args.budget, block_size=8)
     drafter = runtime.drafters[args.drafter]
@@ -81,23 +78,65 @@ def main(argv: list[str] | None = None) -> int:
     ar = engine._graphed_ar(settings)
     ar.reset(engine.packed.prefill(prompt)[0], prompt[-1])
     spec = dec.spec
-    result = {"command": " ".join(["python benchmarks/launch_counts.py"] + (argv or sys.argv[1:])),
-              "commit": os.environ.get("SPECLA_COMMIT"), "device": runner.hardware_name(device),
-              "dtype": str(engine.dtype).replace("torch.", ""), "ops": engine.ops_note,
-              "settings": {"drafter": args.drafter, "tree": args.tree, "budget": args.budget, "top_k": args.top_k},
-              "unit": "kernels" if device.type == "cuda" else "aten ops (CPU: no kernels to count)",
-              "bodies": {}}
+    variant = {"ops": engine.ops_note, "dtype": str(engine.dtype).replace("torch.", ""), "bodies": {}}
     bodies = {"ar_step": ar._step, "draft": spec.draft, "verify": spec.verify,
               "accept (compiled)" if spec.compiled else "accept": spec._accept}
     if spec.compiled:
         bodies["accept (plain ops)"] = spec.accept
     with torch.no_grad(), spec.state.preserved():
         for name, body in bodies.items():
-            result["bodies"][name] = kernels_of(body, device)
-            print(f"{name:>20}: {result['bodies'][name]['launches']:7.1f} launches, "
-                  f"{result['bodies'][name]['kernel_us']:8.1f} us", flush=True)
+            variant["bodies"][name] = kernels_of(body, device)
+            print(f"[{ops}] {name:>20}: {variant['bodies'][name]['launches']:7.1f} launches, "
+                  f"{variant['bodies'][name]['kernel_us']:8.1f} us", flush=True)
+    variant["engine"] = engine
+    return variant
+
+
+def speed_row(runtime, engine, texts: list[str], args) -> dict:
+    """The app's own measurement (runner.run: graphed AR and speculation, warmed up) with this
+    engine, on `texts`: what the op set changes end to end."""
+    from specla.bench.e2e import pair_row
+
+    row = pair_row(dataclasses.replace(runtime, engine=engine), texts,
+                   {"drafter": args.drafter, "tree": args.tree, "budget": args.budget, "top_k": args.top_k,
+                    "block_size": 8, "max_new_tokens": args.tokens})
+    keep = ("tau", "ms_per_token", "ar_ms_per_token", "speedup", "time_split_ms_per_step", "exact")
+    return {key: row[key] for key in keep}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--drafter", default="block")
+    p.add_argument("--tree", default="chain")
+    p.add_argument("--budget", type=int, default=7)
+    p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--ops", default="auto",
+                   help="the target's per-layer ops, one set or several to compare: auto | fla | fused | torch")
+    p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
+    p.add_argument("--speed-limit", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=128)
+    args = p.parse_args(argv)
+    runtime = runner.load_runtime(device=args.device)
+    result = {"command": " ".join(["python benchmarks/launch_counts.py"] + (argv or sys.argv[1:])),
+              "commit": os.environ.get("SPECLA_COMMIT"), "device": runner.hardware_name(runtime.device),
+              "settings": {"drafter": args.drafter, "tree": args.tree, "budget": args.budget, "top_k": args.top_k},
+              "unit": "kernels" if runtime.device.type == "cuda" else "aten ops (CPU: no kernels to count)",
+              "variants": {}}
+    if args.speed_prompts:
+        texts = read_prompts(args.speed_prompts, args.speed_limit)
+        result["speed"] = {"prompt_file": str(args.speed_prompts), "prompts": len(texts), "new_tokens": args.tokens}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "launch_counts.json").write_text(json.dumps(result, indent=1))
+    for ops in args.ops.split(","):
+        variant = count_bodies(runtime, ops, args)
+        engine = variant.pop("engine")
+        if args.speed_prompts:
+            variant["speed"] = speed_row(runtime, engine, texts, args)
+            print(f"[{ops}] AR {variant['speed']['ar_ms_per_token']['median']:.4f} ms/token, "
+                  f"speedup {variant['speed']['speedup']:.3f}x", flush=True)
+        result["variants"][ops] = variant
+        (args.out / "launch_counts.json").write_text(json.dumps(result, indent=1))   # kept if a later set fails
     return 0
 
 

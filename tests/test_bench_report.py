@@ -216,9 +216,15 @@ def test_launch_counts_profiles_every_body_of_a_step(tmp_path, one_thread):
     spec = importlib.util.spec_from_file_location("launch_counts", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.main(["--out", str(tmp_path), "--device", "cpu"]) == 0
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n")
+    assert module.main(["--out", str(tmp_path), "--device", "cpu", "--ops", "torch,auto",
+                        "--speed-prompts", str(prompts), "--speed-limit", "1", "--tokens", "8"]) == 0
     result = json.loads((tmp_path / "launch_counts.json").read_text())
-    bodies = result["bodies"]
+    assert set(result["variants"]) == {"torch", "auto"} and result["speed"]["prompts"] == 1
+    speed = result["variants"]["auto"]["speed"]
+    assert speed["ar_ms_per_token"]["median"] > 0 and speed["tau"] >= 1 and speed["exact"]["prompts"] == 1
+    bodies = result["variants"]["torch"]["bodies"]
     assert set(bodies) == {"ar_step", "draft", "verify", "accept"}     # the CPU captures nothing to compile
     assert all(b["launches"] > 0 and b["top"] for b in bodies.values())
     assert bodies["verify"]["kernel_us"] > bodies["ar_step"]["kernel_us"]
