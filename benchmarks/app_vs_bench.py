@@ -87,6 +87,8 @@ def controls(client, settings: dict) -> dict:
 def app_run(client, prompt: str, settings: dict) -> tuple[dict, float | None]:
     """Run one prompt through the app's API and export the session's trace. Returns the trace
     and the seconds from submit to the first update that shows a decoded step."""
+    from specla.api_client import arrivals
+
     kwargs = controls(client, settings)
     start = time.perf_counter()
     job = client.submit(prompt=prompt, **kwargs, api_name="/run")
@@ -105,23 +107,6 @@ def app_run(client, prompt: str, settings: dict) -> tuple[dict, float | None]:
     trace = json.loads(Path(path).read_text())
     trace["client_timeline"] = timeline
     return trace, first_step
-
-
-def arrivals(job, poll_s: float = 0.002):
-    """The job's outputs as they arrive. gradio_client's own iterator (`for update in job`)
-    sleeps while it holds the lock its reader thread needs to append each output, so that
-    thread can wait seconds for it: the updates then reach the caller late, all at once. This
-    polls with the lock free."""
-    seen = 0
-    while True:
-        done = job.done()                 # read first: the outputs read next are then complete
-        outputs = job.outputs()
-        while seen < len(outputs):
-            yield outputs[seen]
-            seen += 1
-        if done:
-            return
-        time.sleep(poll_s)
 
 
 def median(xs):

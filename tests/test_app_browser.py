@@ -37,7 +37,9 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "-
 PLOTS = ("tree-plot", "lattice-plot", "commit-plot", "speedup-plot")
 PROJECTOR = {"width": 1280, "height": 720}
 TIMEOUT = 90_000
-STEP_PAUSE_S = 0.01   # per decoded step: a 512-token run lasts seconds on any CPU, so Stop lands mid-run
+STEP_PAUSE_S = 0.01   # per decoded step
+LONG_RUN_PAUSE_S = 0.05   # per step of a run of 256+ tokens: it lasts 10 s or more, so Stop lands mid-run
+                          # even when a busy 2-CPU machine shows the first step seconds late
 
 
 class Engine:
@@ -48,11 +50,12 @@ class Engine:
 
     def __call__(self, model, prompt, settings):
         self.pulled, self.closed = 0, False
+        pause = LONG_RUN_PAUSE_S if settings.get("max_new_tokens", 0) >= 256 else STEP_PAUSE_S
         try:
             for update in runner.run(self.runtime, prompt, settings):
                 self.pulled += 1
                 if update is None:
-                    time.sleep(STEP_PAUSE_S)
+                    time.sleep(pause)
                 yield update
         finally:
             self.closed = True

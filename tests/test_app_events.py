@@ -102,7 +102,8 @@ def test_run_streams_partial_traces_then_the_complete_one(ex):
 
 def test_a_graphed_run_does_not_yield_a_heartbeat_per_batched_step(rt):
     """The graphed backend decodes steps in batches before their records arrive: the run
-    yields far fewer empty updates than steps, and the same trace as one with a heartbeat each."""
+    yields far fewer empty updates than steps, its first trace already holds the first step,
+    and its trace equals one with a heartbeat each."""
     import dataclasses
 
     from specla.engine import Engine
@@ -110,8 +111,10 @@ def test_a_graphed_run_does_not_yield_a_heartbeat_per_batched_step(rt):
     graphed = dataclasses.replace(rt, engine=Engine(rt.target, "graphed", use_graph=False))
     settings = {"drafter": runner.ORACLE, "max_new_tokens": 48}
     updates = list(runner.run(graphed, "def f(x):\n", settings))
-    trace = [u for u in updates if isinstance(u, dict)][-1]
+    traces = [u for u in updates if isinstance(u, dict)]
+    trace = traces[-1]
     assert trace["engine"]["backend"] == "graphed"
+    assert len(traces[0]["steps"]) == 1, "no empty trace is drawn before the first step: it comes at once"
     heartbeats = sum(u is None for u in updates)
     assert len(trace["steps"]) >= 10 and heartbeats < len(trace["steps"]) / 2
     eager = [u for u in runner.run(rt, "def f(x):\n", settings) if isinstance(u, dict)][-1]

@@ -21,6 +21,7 @@ import torch  # noqa: E402
 from gradio_client import Client, handle_file  # noqa: E402
 
 from specla import explorer, runner  # noqa: E402
+from specla.api_client import arrivals  # noqa: E402
 from specla.trace import MAX_TRACE_BYTES, load_trace  # noqa: E402
 from tests.helpers import default_runtime, free_port  # noqa: E402
 
@@ -54,7 +55,7 @@ def settings(rt, **overrides) -> list:
 def test_run_streams_over_http(app, tmp_path):
     rt, url = app
     job = client(url, tmp_path).submit("def add(a, b):\n", *settings(rt), api_name="/run")
-    updates = list(job)                         # every streamed output, as it arrives
+    updates = list(arrivals(job))               # every streamed output, as it arrives
     final = job.outputs()[-1]
     assert len(updates) >= 2
     assert final[STATUS].startswith("**Done**")
