@@ -127,9 +127,7 @@ def _launch(prologue: str, x2, w, *, res=None, res_out=None, gate=None, norm_w=N
         raise ValueError("the weight must be contiguous [N, K]")
     y = torch.empty(M, N, device=x2.device, dtype=w.dtype)
     BM = max(16, triton.next_power_of_2(M))
-    # wide K blocks: each loop iteration is a dependent round trip to memory, and at a few rows
-    # the loads, not the dots, are the time (128-wide blocks: 15 us a call at K = 384, session 9)
-    BK = block_k or min(512, max(16, triton.next_power_of_2(K)))
+    BK = block_k or min(128, max(16, triton.next_power_of_2(K)))
     # one program per BN columns streams BN x K weights: narrow blocks keep more SMs busy (there
     # is no split-K, so a GDN-1.3B-width matrix still loads each program with ~180 KB)
     BN = 16 if N < 4096 else 32
