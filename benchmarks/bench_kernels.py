@@ -15,6 +15,8 @@ cost of the variant for one layer inside a graph. Timed, over draft sizes N = 1.
            recompute delta), T = 1..16
   deferred fused fold + verify vs commit kernel then verify (P = 4)
   memory   factor bytes vs dense snapshot bytes per node
+  projection  the fused projections' tilings against fla's norm kernel + cuBLAS, bf16, at the
+           embedded model's widths and the 1.3B shape's, 1 and 9 rows (issue #15's sweep)
 
 Writes DIR/kernels.json (every timing with median, min, max and sample count, plus kernel
 register/spill counts and a few correctness checks) and DIR/verify_cost.json (`auto_rule`
@@ -181,6 +183,62 @@ def factors(t: int, device, seed: int) -> tuple:
 # ---------------------------------------------------------------------------------------
 # The benchmark
 # ---------------------------------------------------------------------------------------
+# Fused projections: shapes, inputs, tilings
+# ---------------------------------------------------------------------------------------
+
+def projection_models() -> dict:
+    """The embedded model's config (assets/target) and the GDN-1.3B public shape."""
+    from specla.config import PUBLIC_1P3B, GDNConfig
+
+    models = {"gdn-1.3b": PUBLIC_1P3B}
+    path = Path(__file__).resolve().parent.parent / "assets" / "target" / "config.json"
+    if path.exists():
+        models = {"embedded": GDNConfig.from_dict(json.loads(path.read_text())), **models}
+    return models
+
+
+def projection_shapes(config) -> dict[str, tuple[str, int, int]]:
+    """(prologue, K, N) of the four projections of one layer that fuse an op in front."""
+    D, H = config.hidden_size, config.num_heads
+    return {"in (norm)": ("norm", D, 2 * config.key_dim + 2 * config.value_dim + 2 * H),
+            "mlp up (norm)": ("norm", D, 2 * config.mlp_size),
+            "out (gated norm)": ("gated_norm", config.value_dim, D),
+            "mlp down (swiglu)": ("swiglu", config.mlp_size, D)}
+
+
+def projection_inputs(prologue: str, M: int, K: int, N: int, config, device, seed: int) -> dict:
+    """bf16 inputs of one projection call for M rows, as a decode step has them."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    rnd = lambda *shape, dt=torch.bfloat16: torch.randn(*shape, generator=g, device=device).to(dt)  # noqa: E731
+    w = rnd(N, K) * K ** -0.5
+    if prologue == "norm":
+        return {"x": rnd(M, K), "residual": rnd(M, K), "norm_w": rnd(K) * 0.1 + 1, "w": w}
+    if prologue == "gated_norm":
+        H, Vh = config.num_heads, config.head_v_dim
+        return {"o": rnd(M, H, Vh, dt=torch.float32), "gate": rnd(M, H * Vh), "norm_w": rnd(Vh) * 0.1 + 1,
+                "w": w, "activation": config.output_gate_activation}
+    return {"gate_up": rnd(M, 2 * K), "w": w}
+
+
+def project(ops, prologue: str, i: dict, **blocks) -> torch.Tensor:
+    """One projection through `ops` (FlaOps, or the triton_projection module with `blocks`)."""
+    if prologue == "norm":
+        return ops.norm_linear(i["x"], i["norm_w"], 1e-6, i["residual"], i["w"], **blocks)[0]
+    if prologue == "gated_norm":
+        return ops.gated_norm_linear(i["o"], i["gate"], i["norm_w"], 1e-6, i["activation"], i["w"], **blocks)
+    return ops.swiglu_linear(i["gate_up"], i["w"], **blocks)
+
+
+def projection_tilings(prologue: str, K: int, quick: bool) -> list[dict]:
+    """block_k x block_n x num_stages to try (the gated norm's block_k is the head width)."""
+    widest = 1 << (K - 1).bit_length()          # the kernel's K block never exceeds K's next power of 2
+    ks = [None] if prologue == "gated_norm" else [bk for bk in (128, 256, 512) if bk <= max(128, widest)]
+    ns, stages = ((16,), (1, 3)) if quick else ((16, 32), (1, 2, 3))
+    return [{**({"block_k": bk} if bk else {}), "block_n": bn, "num_stages": st}
+            for bk in ks for bn in ns for st in stages]
+
+
+# ---------------------------------------------------------------------------------------
 
 class Bench:
     def __init__(self, args):
@@ -302,6 +360,41 @@ class Bench:
                     self.run("immediate", immediate, **info)
 
     # -- correctness and resources ------------------------------------------------------
+
+    # -- fused projections ----------------------------------------------------------------
+
+    def projection_sweep(self, rows=(1, 9)) -> None:
+        """The fused projections' tilings (kernels/triton_projection.py) against the default
+        path, fla's separate norm / SwiGLU kernel then cuBLAS, per layer in bf16, at the
+        embedded model's widths and the GDN-1.3B shape's. A tiling whose output leaves the
+        reference's is recorded as an error, not timed."""
+        from kernels import triton_projection as tp
+        from specla.graphs.ops import FlaOps
+
+        fla = FlaOps()
+        for model, config in projection_models().items():
+            for proj, (prologue, K, N) in projection_shapes(config).items():
+                for M in rows:
+                    inputs = [projection_inputs(prologue, M, K, N, config, self.dev, seed=l)
+                              for l in range(self.layers)]
+                    info = dict(model=model, projection=proj, M=M, K=K, N=N)
+                    self.run("projection_unfused", lambda l, i=inputs: project(fla, prologue, i[l]), **info)
+                    want = project(fla, prologue, inputs[0])
+                    for blocks in projection_tilings(prologue, K, self.replays < 40):
+                        try:
+                            got = project(tp, prologue, inputs[0], **blocks)
+                            err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+                        except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: record, go on
+                            self.errors.append({"name": "projection_fused", **info, **blocks,
+                                                "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                            self.log(f"FAILED projection {info} {blocks}: {type(exc).__name__}")
+                            continue
+                        if err > 2e-2:
+                            self.errors.append({"name": "projection_fused", **info, **blocks,
+                                                "error": f"relative error {err:.3g} against fla + cuBLAS"})
+                            continue
+                        self.run("projection_fused", lambda l, i=inputs, b=blocks: project(tp, prologue, i[l], **b),
+                                 **info, **blocks, rel_err=err)
 
     def checks(self) -> list[dict]:
         """Relative error of each mode against the reference (fresh state, with pending)."""
@@ -461,7 +554,8 @@ def main(argv=None) -> int:
                         help="distinct layer states rotated in each graph (48 x 2 MiB > L2)")
     parser.add_argument("--quick", action="store_true", help="fewer replays (a smoke run)")
     parser.add_argument("--skip", default="", help="comma list of sections to skip: "
-                        "checks,verify,sweep,commit,deferred")
+                        "checks,verify,sweep,commit,deferred,projection")
+    parser.add_argument("--only", default="", help="comma list of the only sections to run")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -486,7 +580,8 @@ def main(argv=None) -> int:
                 ("verify", lambda: bench.verify_variants(SIZES + (128,))),
                 ("commit", bench.commit_variants),
                 ("deferred", bench.deferred_variants),
-                ("sweep", bench.walk_sweep)]
+                ("sweep", bench.walk_sweep),
+                ("projection", bench.projection_sweep)]
     def save() -> dict:
         """Both files, rewritten after every section: a timeout loses only the running one."""
         auto_rule = fit_auto_rule(bench.results, bench.tv.MAX_TREE_NODES)
@@ -502,7 +597,7 @@ def main(argv=None) -> int:
 
     auto_rule = save()
     for name, section in sections:
-        if name in skip:
+        if name in skip or (args.only and name not in args.only.split(",")):
             continue
         bench.log(f"== {name}")
         try:

@@ -6,6 +6,7 @@
 # Stages: tests (pytest -m gpu), kernel-tests (tests/test_kernels.py on the GPU), runtime, kernels, e2e, e2e-quick,
 # app (benchmarks/app_vs_bench.py: the real app over HTTP against the bench's rows; options in APP_ARGS,
 # cases named without spaces, e.g. --cases block_chain,lilicorr_best-first_16), launch-counts (kernels per step body),
+# projection-sweep (benchmarks/bench_kernels.py --only projection),
 # speedup (run_acceptance.py --speedup on the GPU, SPEEDUP_ROWS), head (the LiLiCorr head's share of a GDN-1.3B-shape step; options in HEAD_ARGS), head-kernels (benchmarks/bench_lilicorr.py,
 # its options in HEAD_KERNELS_ARGS), acceptance,
 # target (a second training stage of the embedded target from assets/target; needs data/corpus). Needs the
@@ -40,6 +41,9 @@ for stage in "$@"; do
            tail -5 "$R/gpu_kernel_tests.txt" ;;
     runtime) bench runtime "${T_RUNTIME:-260}" ;;
     kernels) bench kernels "${T_KERNELS:-240}" ;;
+    projection-sweep) # the fused projections' tilings against fla + cuBLAS (issue #15); QUICK=--quick halves it
+      timeout "${T_PROJECTION:-420}" python3 benchmarks/bench_kernels.py --out "$R/projection" --only projection \
+        ${QUICK:-} 2>&1 | tee "$R/log_projection_sweep.txt" ;;
     head) bench head "${T_HEAD:-300}" ${HEAD_ARGS:-} ;;
     head-kernels) timeout "${T_HEAD_KERNELS:-300}" python3 benchmarks/bench_lilicorr.py --out "$R" ${HEAD_KERNELS_ARGS:-} \
              2>&1 | tee "$R/log_bench_lilicorr.txt" ;;

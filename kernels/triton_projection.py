@@ -118,7 +118,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(prologue: str, x2, w, *, res=None, res_out=None, gate=None, norm_w=None, eps=0.0,
-            swish=True, block_k: int | None = None) -> torch.Tensor:
+            swish=True, block_k: int | None = None, block_n: int | None = None,
+            num_stages: int | None = None) -> torch.Tensor:
     M, N = x2.shape[0], w.shape[0]
     K = w.shape[1]
     if M > MAX_ROWS:
@@ -130,41 +131,43 @@ def _launch(prologue: str, x2, w, *, res=None, res_out=None, gate=None, norm_w=N
     BK = block_k or min(128, max(16, triton.next_power_of_2(K)))
     # one program per BN columns streams BN x K weights: narrow blocks keep more SMs busy (there
     # is no split-K, so a GDN-1.3B-width matrix still loads each program with ~180 KB)
-    BN = 16 if N < 4096 else 32
+    BN = block_n or (16 if N < 4096 else 32)
     dummy = y
+    options = {"num_warps": 4} if num_stages is None else {"num_warps": 4, "num_stages": num_stages}
     _projection_kernel[(triton.cdiv(N, BN),)](
         x2, x2.stride(0), res if res is not None else dummy, res.stride(0) if res is not None else 0,
         res_out if res_out is not None else dummy, gate if gate is not None else dummy,
         gate.stride(0) if gate is not None else 0, norm_w if norm_w is not None else dummy, w, y, y.stride(0),
         M, N, K, eps, PROLOGUE=PROLOGUES[prologue], HAS_RES=res is not None, SWISH=swish,
-        DOT=_dot_mode(w.dtype), BM=BM, BN=BN, BK=BK, num_warps=4)
+        DOT=_dot_mode(w.dtype), BM=BM, BN=BN, BK=BK, **options)
     return y
 
 
 def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, residual: torch.Tensor | None,
-                w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual) @ w.T, x + residual) for x [..., K], w [N, K]."""
+                w: torch.Tensor, **blocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) @ w.T, x + residual) for x [..., K], w [N, K]. `blocks`
+    (block_k, block_n, num_stages) override the kernel's tiling, for benchmarks."""
     x2 = _rows(x)
     res2 = _rows(residual) if residual is not None else None
     summed = torch.empty_like(x2) if residual is not None else x2
     y = _launch("norm", x2, w, res=res2, res_out=summed if residual is not None else None,
-                norm_w=norm_w, eps=eps)
+                norm_w=norm_w, eps=eps, **blocks)
     return y.view(*x.shape[:-1], -1), summed.view(x.shape)
 
 
 def gated_norm_linear(o: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor, eps: float,
-                      activation: str, w: torch.Tensor) -> torch.Tensor:
+                      activation: str, w: torch.Tensor, **blocks) -> torch.Tensor:
     """(rms_norm over each head of o [..., H, V], times act(gate) [..., H*V]) @ w.T."""
     V = o.shape[-1]
     if triton.next_power_of_2(V) != V or V < 16:
         raise ValueError(f"head width {V}: the fused gated norm takes powers of two from 16")
     o2 = _rows(o.reshape(*o.shape[:-2], -1))
     y = _launch("gated_norm", o2, w, gate=_rows(gate), norm_w=norm_w, eps=eps,
-                swish=activation in ("swish", "silu"), block_k=V)
+                swish=activation in ("swish", "silu"), block_k=V, **blocks)
     return y.view(*o.shape[:-2], -1)
 
 
-def swiglu_linear(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def swiglu_linear(gate_up: torch.Tensor, w: torch.Tensor, **blocks) -> torch.Tensor:
     """(silu(gate_up[..., :I]) * gate_up[..., I:]) @ w.T for w [N, I]."""
-    y = _launch("swiglu", _rows(gate_up), w)
+    y = _launch("swiglu", _rows(gate_up), w, **blocks)
     return y.view(*gate_up.shape[:-1], -1)

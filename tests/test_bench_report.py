@@ -228,3 +228,34 @@ def test_launch_counts_profiles_every_body_of_a_step(tmp_path, one_thread):
     assert set(bodies) == {"ar_step", "draft", "verify", "accept"}     # the CPU captures nothing to compile
     assert all(b["launches"] > 0 and b["top"] for b in bodies.values())
     assert bodies["verify"]["kernel_us"] > bodies["ar_step"]["kernel_us"]
+
+
+def test_the_projection_sweep_covers_each_fused_projection_of_both_models():
+    """bench_kernels.py's projection section (GPU only) on the CPU: the shapes it sweeps are the
+    packed layer's, its inputs go through the op sets' own projection calls, and its tilings
+    include the kernel's default and the widest K block."""
+    import torch
+
+    from benchmarks import bench_kernels as bk
+    from kernels import reference as ref
+    from specla.graphs.ops import TorchOps
+
+    models = bk.projection_models()
+    assert "gdn-1.3b" in models
+    shapes = bk.projection_shapes(models["gdn-1.3b"])
+    assert shapes["in (norm)"] == ("norm", 2048, 8208) and shapes["mlp down (swiglu)"] == ("swiglu", 5632, 2048)
+    for config in models.values():
+        for prologue, K, N in bk.projection_shapes(config).values():
+            i = bk.projection_inputs(prologue, 3, K, N, config, torch.device("cpu"), seed=0)
+            got = bk.project(TorchOps(), prologue, i)
+            if prologue == "norm":
+                want = ref.norm_linear_ref(i["x"], i["norm_w"], 1e-6, i["residual"], i["w"])[0]
+            elif prologue == "gated_norm":
+                want = ref.gated_norm_linear_ref(i["o"], i["gate"], i["norm_w"], 1e-6, i["activation"], i["w"])
+            else:
+                want = ref.swiglu_linear_ref(i["gate_up"], i["w"])
+            assert got.shape == (3, N) and torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+            tilings = bk.projection_tilings(prologue, K, quick=False)
+            assert {"block_n": 16, "num_stages": 3} in [{k: t[k] for k in ("block_n", "num_stages")} for t in tilings]
+            if prologue != "gated_norm":
+                assert max(t["block_k"] for t in tilings) == min(512, 1 << (K - 1).bit_length())
