@@ -6,7 +6,8 @@
 # Stages: tests (pytest -m gpu), kernel-tests (tests/test_kernels.py on the GPU), runtime, kernels, e2e, e2e-quick,
 # app (benchmarks/app_vs_bench.py: the real app over HTTP against the bench's rows; options in APP_ARGS,
 # cases named without spaces, e.g. --cases block_chain,lilicorr_best-first_16), launch-counts (kernels per step body),
-# projection-sweep (benchmarks/bench_kernels.py --only projection),
+# projection-sweep (benchmarks/bench_kernels.py --only projection); issue #16's per-kernel profile at the 1.3B shape:
+#   LAUNCH_ARGS="--model gdn-1.3b-random --budget 8" bash benchmarks/h200.sh launch-counts,
 # speedup (run_acceptance.py --speedup on the GPU, SPEEDUP_ROWS), head (the LiLiCorr head's share of a GDN-1.3B-shape step; options in HEAD_ARGS), head-kernels (benchmarks/bench_lilicorr.py,
 # its options in HEAD_KERNELS_ARGS), acceptance,
 # target (a second training stage of the embedded target from assets/target; needs data/corpus). Needs the

@@ -2,8 +2,11 @@
 
     python benchmarks/launch_counts.py --out DIR [--device cuda] [--drafter block] [--tree chain]
         [--ops fla,fused] [--speed-prompts data/corpus/heldout_prompts.jsonl]
+    python benchmarks/launch_counts.py --out DIR --model gdn-1.3b-random --budget 8   # issue #16's profile
 
-Builds the engine on the embedded pair (assets/), captures the graphed AR step and the
+Builds the engine on the embedded pair (assets/; or the runner's other models: the GDN-1.3B
+shape with the oracle drafter, where the file also holds the weights' bytes and the time
+they take to read at the measured copy bandwidth), captures the graphed AR step and the
 speculative decoder for the settings, then runs each body once more, uncaptured, under
 torch.profiler: the kernels a body launches are the kernels its CUDA graph replays. Both
 variants of the acceptance phase are counted, compiled (what the engine captures on CUDA)
@@ -32,6 +35,7 @@ from specla import runner  # noqa: E402
 from specla.acceptance import read_prompts  # noqa: E402
 from specla.decode import DecodeSettings  # noqa: E402
 from specla.drafters.base import DraftSettings  # noqa: E402
+from specla.drafters.oracle import OracleDrafter  # noqa: E402
 from specla.engine import Engine  # noqa: E402
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
@@ -72,12 +76,16 @@ def count_bodies(runtime, ops: str, args) -> dict:
     prompt = runtime.encode(PROMPT)
     settings = DecodeSettings(max_new_tokens=64)
     draft = DraftSettings(tree=args.tree, top_k=args.top_k, budget=args.budget, block_size=8)
-    drafter = runtime.drafters[args.drafter]
+    drafter = drafter_for(runtime, engine, prompt, settings, args)
     list(engine.speculate(prompt, drafter, settings, draft))           # builds and captures the decoder
-    dec = engine.decoder(drafter, settings, draft)
     ar = engine._graphed_ar(settings)
     ar.reset(engine.packed.prefill(prompt)[0], prompt[-1])
-    spec = dec.spec
+    if isinstance(drafter, OracleDrafter):      # drafted on the device by a step of its own
+        spec = engine._oracle_decoder(drafter, settings, draft)["spec"]
+    else:
+        dec = engine.decoder(drafter, settings, draft)
+        # a host drafter's decoder keeps one captured step per draft size: count the largest
+        spec = dec.spec if dec.on_device else max(dec.specs.values(), key=lambda sp: sp.tokens.shape[-1])
     variant = {"ops": engine.ops_note, "dtype": str(engine.dtype).replace("torch.", ""), "bodies": {}}
     bodies = {"ar_step": ar._step, "draft": spec.draft, "verify": spec.verify,
               "accept (compiled)" if spec.compiled else "accept": spec._accept}
@@ -90,6 +98,31 @@ def count_bodies(runtime, ops: str, args) -> dict:
                   f"{variant['bodies'][name]['kernel_us']:8.1f} us", flush=True)
     variant["engine"] = engine
     return variant
+
+
+def drafter_for(runtime, engine, prompt: list[int], settings: DecodeSettings, args):
+    """The drafter to count: a loaded one as is; a per-run factory (the oracle, right with
+    probability --alpha) built from this prompt and the target's own continuation of it."""
+    entry = runtime.drafters[args.drafter]
+    if hasattr(entry, "propose"):
+        return entry
+    s = runner.normalize_settings(runtime, {"drafter": args.drafter, "oracle_alpha": args.alpha, "tree": args.tree,
+                                            "budget": args.budget, "max_new_tokens": settings.max_new_tokens})
+    return entry(prompt, engine.ar(prompt, settings).tokens, s)
+
+
+def weight_floor(runtime) -> dict:
+    """The bytes a step must read at least (every weight once) and, on a GPU, the time that takes
+    at the measured copy bandwidth: what the AR step's kernel time is to be held against."""
+    target = runtime.target
+    weights = sum(p.numel() * p.element_size() for p in target.parameters())
+    out = {"weight_bytes": weights}
+    if runtime.device.type == "cuda":
+        from benchmarks.bench_kernels import copy_bandwidth
+
+        out["copy_GBps"] = copy_bandwidth(runtime.device)["median"]
+        out["floor_us"] = weights / (out["copy_GBps"] * 1e3)
+    return out
 
 
 def speed_row(runtime, engine, texts: list[str], args) -> dict:
@@ -108,7 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--drafter", default="block")
+    p.add_argument("--model", default=None, help="the runner's model: assets/target (default), random-tiny, "
+                   f"or {runner.RANDOM_1P3B} (the GDN-1.3B shape, random weights, the oracle drafter)")
+    p.add_argument("--drafter", default=None, help="default: block, or the model's first drafter")
+    p.add_argument("--alpha", type=float, default=0.8, help="the oracle drafter's acceptance rate")
     p.add_argument("--tree", default="chain")
     p.add_argument("--budget", type=int, default=7)
     p.add_argument("--top-k", type=int, default=4)
@@ -118,9 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speed-limit", type=int, default=8)
     p.add_argument("--tokens", type=int, default=128)
     args = p.parse_args(argv)
-    runtime = runner.load_runtime(device=args.device)
+    runtime = runner.load_runtime(model=args.model, device=args.device)
+    if args.drafter is None:
+        args.drafter = "block" if "block" in runtime.drafters else next(iter(runtime.drafters))
     result = {"command": " ".join(["python benchmarks/launch_counts.py"] + (argv or sys.argv[1:])),
               "commit": os.environ.get("SPECLA_COMMIT"), "device": runner.hardware_name(runtime.device),
+              "model": runtime.model_name, **weight_floor(runtime),
               "settings": {"drafter": args.drafter, "tree": args.tree, "budget": args.budget, "top_k": args.top_k},
               "unit": "kernels" if runtime.device.type == "cuda" else "aten ops (CPU: no kernels to count)",
               "variants": {}}

@@ -230,6 +230,26 @@ def test_launch_counts_profiles_every_body_of_a_step(tmp_path, one_thread):
     assert bodies["verify"]["kernel_us"] > bodies["ar_step"]["kernel_us"]
 
 
+
+def test_launch_counts_profiles_the_oracle_step_of_another_model(tmp_path, one_thread):
+    """launch_counts.py on one of the runner's other models with its oracle drafter (on the GPU:
+    the GDN-1.3B shape, issue #16's profile): the oracle's device step is counted, and the file
+    names the model and the bytes of its weights."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "launch_counts.py"
+    spec = importlib.util.spec_from_file_location("launch_counts", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--out", str(tmp_path), "--device", "cpu", "--model", "random-tiny",
+                        "--drafter", "oracle", "--budget", "8"]) == 0
+    result = json.loads((tmp_path / "launch_counts.json").read_text())
+    assert "tiny random" in result["model"] and result["settings"]["drafter"] == "oracle"
+    assert result["weight_bytes"] > 0 and "floor_us" not in result          # no GPU: no bandwidth
+    bodies = result["variants"]["auto"]["bodies"]
+    assert bodies["draft"]["launches"] > 0 and bodies["verify"]["launches"] > bodies["ar_step"]["launches"]
+
 def test_the_projection_sweep_covers_each_fused_projection_of_both_models():
     """bench_kernels.py's projection section (GPU only) on the CPU: the shapes it sweeps are the
     packed layer's, its inputs go through the op sets' own projection calls, and its tilings
