@@ -157,7 +157,8 @@ def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, residual: tor
 
 def gated_norm_linear(o: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor, eps: float,
                       activation: str, w: torch.Tensor, **blocks) -> torch.Tensor:
-    """(rms_norm over each head of o [..., H, V], times act(gate) [..., H*V]) @ w.T."""
+    """(rms_norm over each head of o [..., H, V], times act(gate) [..., H*V]) @ w.T. `blocks`
+    (block_n, num_stages) override the tiling; the K block is always the head width."""
     V = o.shape[-1]
     if triton.next_power_of_2(V) != V or V < 16:
         raise ValueError(f"head width {V}: the fused gated norm takes powers of two from 16")
