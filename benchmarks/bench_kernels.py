@@ -229,13 +229,19 @@ def project(ops, prologue: str, i: dict, **blocks) -> torch.Tensor:
     return ops.swiglu_linear(i["gate_up"], i["w"], **blocks)
 
 
-def projection_tilings(prologue: str, K: int, quick: bool) -> list[dict]:
-    """block_k x block_n x num_stages to try (the gated norm's block_k is the head width)."""
+def projection_tilings(prologue: str, K: int, quick: bool, M: int = 1) -> list[dict]:
+    """block_k x block_n x num_stages to try (the gated norm's block_k is the head width), and
+    for a row or two the GEMV form (no tensor-core operand layout)."""
+    from kernels.triton_projection import MAX_GEMV_ROWS
+
     widest = 1 << (K - 1).bit_length()          # the kernel's K block never exceeds K's next power of 2
     ks = [None] if prologue == "gated_norm" else [bk for bk in (128, 256, 512) if bk <= max(128, widest)]
     ns, stages = ((16,), (1, 3)) if quick else ((16, 32), (1, 2, 3))
-    return [{**({"block_k": bk} if bk else {}), "block_n": bn, "num_stages": st}
-            for bk in ks for bn in ns for st in stages]
+    tilings = [{**({"block_k": bk} if bk else {}), "block_n": bn, "num_stages": st}
+               for bk in ks for bn in ns for st in stages]
+    if M <= MAX_GEMV_ROWS:     # no tl.dot, so nothing to pipeline: the stages compile to the same code
+        tilings += [{**({"block_k": bk} if bk else {}), "block_n": bn, "gemv": True} for bk in ks for bn in ns]
+    return tilings
 
 
 # ---------------------------------------------------------------------------------------
@@ -380,7 +386,7 @@ class Bench:
                     info = dict(model=model, projection=proj, M=M, K=K, N=N)
                     self.run("projection_unfused", lambda l, i=inputs: project(fla, prologue, i[l]), **info)
                     want = project(fla, prologue, inputs[0])
-                    for blocks in projection_tilings(prologue, K, self.replays < 40):
+                    for blocks in projection_tilings(prologue, K, self.replays < 40, M):
                         try:
                             got = project(tp, prologue, inputs[0], **blocks)
                             err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()

@@ -16,6 +16,9 @@ block by block (the norm's mean square in a first pass over x), which costs a re
 a few KB against the weights' hundreds. The arithmetic rounds where the plain-torch ops of
 `kernels/reference.py` round (x + residual and every op's output in the input dtype), with
 fp32 products accumulated in fp32; `reference.norm_linear_ref` and friends are the spec.
+
+For a row or two (`gemv=True`) the products are summed in registers instead of by tl.dot,
+whose tensor-core operands need 16 rows and a trip through shared memory.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import triton.language as tl
 
 PROLOGUES = {"norm": 0, "gated_norm": 1, "swiglu": 2}
 MAX_ROWS = 64              # [BM, BK] input blocks live in registers
+MAX_GEMV_ROWS = 2          # the GEMV form's [BM, BN, BK] products too
 
 
 @triton.jit
@@ -57,7 +61,8 @@ def _summed_input(x, x_stride, res, res_stride, rows, r_mask, ks, k_mask, HAS_RE
 def _projection_kernel(x, x_stride, res, res_stride, res_out, gate, gate_stride, norm_w, w, y, y_stride,
                        M, N, K, eps,
                        PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr,
-                       DOT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                       DOT: tl.constexpr, GEMV: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid = tl.program_id(0)
     rows = tl.arange(0, BM)
     r_mask = rows < M
@@ -100,7 +105,10 @@ def _projection_kernel(x, x_stride, res, res_stride, res_out, gate, gate_stride,
             b = tl.load(x + rows[:, None] * x_stride + K + ks[None, :], mask=mask, other=0.0).to(tl.float32)
             h = ((a * tl.sigmoid(a)).to(dtype).to(tl.float32) * b).to(dtype)
         wb = tl.load(w + cols[:, None] * K + ks[None, :], mask=c_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += _dot(h, wb, DOT)
+        if GEMV:     # a row or two: products and sums in registers, no tensor-core operand layout
+            acc += tl.sum(h.to(tl.float32)[:, None, :] * wb.to(tl.float32)[None, :, :], axis=2)
+        else:
+            acc += _dot(h, wb, DOT)
     tl.store(y + rows[:, None] * y_stride + cols[None, :], acc.to(dtype),
              mask=r_mask[:, None] & c_mask[None, :])
 
@@ -119,7 +127,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def _launch(prologue: str, x2, w, *, res=None, res_out=None, gate=None, norm_w=None, eps=0.0,
             swish=True, block_k: int | None = None, block_n: int | None = None,
-            num_stages: int | None = None) -> torch.Tensor:
+            num_stages: int | None = None, gemv: bool = False) -> torch.Tensor:
     M, N = x2.shape[0], w.shape[0]
     K = w.shape[1]
     if M > MAX_ROWS:
@@ -127,7 +135,10 @@ def _launch(prologue: str, x2, w, *, res=None, res_out=None, gate=None, norm_w=N
     if not w.is_contiguous():
         raise ValueError("the weight must be contiguous [N, K]")
     y = torch.empty(M, N, device=x2.device, dtype=w.dtype)
-    BM = max(16, triton.next_power_of_2(M))
+    # tl.dot takes 16 rows at least; the GEMV form holds [BM, BN, BK] products, so a row or two
+    BM = triton.next_power_of_2(M) if gemv else max(16, triton.next_power_of_2(M))
+    if gemv and BM > MAX_GEMV_ROWS:
+        raise ValueError(f"{M} rows: the GEMV form takes at most {MAX_GEMV_ROWS}")
     BK = block_k or min(128, max(16, triton.next_power_of_2(K)))
     # one program per BN columns streams BN x K weights: narrow blocks keep more SMs busy (there
     # is no split-K, so a GDN-1.3B-width matrix still loads each program with ~180 KB)
@@ -139,14 +150,14 @@ def _launch(prologue: str, x2, w, *, res=None, res_out=None, gate=None, norm_w=N
         res_out if res_out is not None else dummy, gate if gate is not None else dummy,
         gate.stride(0) if gate is not None else 0, norm_w if norm_w is not None else dummy, w, y, y.stride(0),
         M, N, K, eps, PROLOGUE=PROLOGUES[prologue], HAS_RES=res is not None, SWISH=swish,
-        DOT=_dot_mode(w.dtype), BM=BM, BN=BN, BK=BK, **options)
+        DOT=_dot_mode(w.dtype), GEMV=gemv, BM=BM, BN=BN, BK=BK, **options)
     return y
 
 
 def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, residual: torch.Tensor | None,
                 w: torch.Tensor, **blocks) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) @ w.T, x + residual) for x [..., K], w [N, K]. `blocks`
-    (block_k, block_n, num_stages) override the kernel's tiling, for benchmarks."""
+    (block_k, block_n, num_stages, gemv) override the kernel's tiling, for benchmarks."""
     x2 = _rows(x)
     res2 = _rows(residual) if residual is not None else None
     summed = torch.empty_like(x2) if residual is not None else x2
@@ -158,7 +169,7 @@ def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, residual: tor
 def gated_norm_linear(o: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor, eps: float,
                       activation: str, w: torch.Tensor, **blocks) -> torch.Tensor:
     """(rms_norm over each head of o [..., H, V], times act(gate) [..., H*V]) @ w.T. `blocks`
-    (block_n, num_stages) override the tiling; the K block is always the head width."""
+    (block_n, num_stages, gemv) override the tiling; the K block is always the head width."""
     V = o.shape[-1]
     if triton.next_power_of_2(V) != V or V < 16:
         raise ValueError(f"head width {V}: the fused gated norm takes powers of two from 16")

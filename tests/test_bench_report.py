@@ -276,6 +276,8 @@ def test_the_projection_sweep_covers_each_fused_projection_of_both_models():
                 want = ref.swiglu_linear_ref(i["gate_up"], i["w"])
             assert got.shape == (3, N) and torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
             tilings = bk.projection_tilings(prologue, K, quick=False)
-            assert {"block_n": 16, "num_stages": 3} in [{k: t[k] for k in ("block_n", "num_stages")} for t in tilings]
+            assert {"block_n": 16, "num_stages": 3} in [{k: t.get(k) for k in ("block_n", "num_stages")} for t in tilings]
             if prologue != "gated_norm":
                 assert max(t["block_k"] for t in tilings) == min(512, 1 << (K - 1).bit_length())
+            assert any(t.get("gemv") for t in tilings) and not any(
+                t.get("gemv") for t in bk.projection_tilings(prologue, K, quick=False, M=9))

@@ -177,9 +177,10 @@ def check_conv_gates(parents: list[int], H: int, K: int, V: int, W: int, dtype, 
 
 
 def check_projection(prologue: str, M: int, K: int, N: int, dtype, device, seed: int = 0,
-                     heads: int = 2) -> list[str]:
+                     heads: int = 2, **blocks) -> list[str]:
     """One fused projection against its reference, with the inputs laid out as the runtime
-    passes them (the gate a strided column slice of a wider projection)."""
+    passes them (the gate a strided column slice of a wider projection); `blocks` pick the
+    kernel's tiling (the GEMV form, say)."""
     from kernels import triton_projection as tp
     gen = torch.Generator().manual_seed(seed)
 
@@ -190,20 +191,20 @@ def check_projection(prologue: str, M: int, K: int, N: int, dtype, device, seed:
     norm_w = rnd(K if prologue == "norm" else K // heads, scale=0.1) + 1
     if prologue == "norm":
         x, res = rnd(1, M, K), rnd(1, M, K)
-        got = [*tp.norm_linear(x, norm_w, 1e-6, res, w), tp.norm_linear(x, norm_w, 1e-6, None, w)[0]]
+        got = [*tp.norm_linear(x, norm_w, 1e-6, res, w, **blocks), tp.norm_linear(x, norm_w, 1e-6, None, w, **blocks)[0]]
         want = [*reference.norm_linear_ref(x.cpu(), norm_w.cpu(), 1e-6, res.cpu(), w.cpu()),
                 reference.norm_linear_ref(x.cpu(), norm_w.cpu(), 1e-6, None, w.cpu())[0]]
     elif prologue == "gated_norm":
         o = torch.randn(1, M, heads, K // heads, generator=gen).to(device)            # fp32, as the recurrence gives it
         wide = rnd(1, M, K + 7)
         gate = wide[..., 3:3 + K]
-        got = [tp.gated_norm_linear(o, gate, norm_w, 1e-6, "swish", w),
-               tp.gated_norm_linear(o, gate, norm_w, 1e-6, "sigmoid", w)]
+        got = [tp.gated_norm_linear(o, gate, norm_w, 1e-6, "swish", w, **blocks),
+               tp.gated_norm_linear(o, gate, norm_w, 1e-6, "sigmoid", w, **blocks)]
         want = [reference.gated_norm_linear_ref(o.cpu(), gate.cpu(), norm_w.cpu(), 1e-6, act, w.cpu())
                 for act in ("swish", "sigmoid")]
     else:
         gu = rnd(1, M, 2 * K)
-        got, want = [tp.swiglu_linear(gu, w)], [reference.swiglu_linear_ref(gu.cpu(), w.cpu())]
+        got, want = [tp.swiglu_linear(gu, w, **blocks)], [reference.swiglu_linear_ref(gu.cpu(), w.cpu())]
     # fp32: rounding only; bf16: every op's output is rounded to bf16 (one ulp is 2^-8). Triton's
     # CPU interpreter truncates fp32 -> bf16 instead of rounding to nearest (checked: its casts
     # equal a mask of the low 16 bits), which biases the gated norm's four roundings by ~1.3%
@@ -225,6 +226,8 @@ def test_projection_matches_reference(prologue, M, K, N, dtype):
     """At the embedded model's and the GDN-1.3B shape's widths (heads of 64 and 256)."""
     heads = 6 if K == 384 else 8
     assert not check_projection(prologue, M, K, N, dtype, "cuda", seed=M + K, heads=heads)
+    if M == 1:
+        assert not check_projection(prologue, M, K, N, dtype, "cuda", seed=M + K, heads=heads, gemv=True)
 
 
 HEAD_SHAPES = {  # name: (HeadConfig fields, slots, top_k, vocab)
@@ -588,6 +591,9 @@ def interpreter_cases(group: str):
                 for dtype in (torch.float32, torch.bfloat16):
                     yield (f"projection-{prologue}-M{M}-K{K}-N{N}-{dtype}",
                            lambda a=(prologue, M, K, N, dtype): check_projection(*a, dev, seed=a[1]))
+                    if M == 1:
+                        yield (f"projection-gemv-{prologue}-K{K}-N{N}-{dtype}",
+                               lambda a=(prologue, M, K, N, dtype): check_projection(*a, dev, seed=2, gemv=True))
         return
     if group == "commit":
         for T in (0, 1, 5):
