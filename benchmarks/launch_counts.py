@@ -68,8 +68,9 @@ def kernels_of(body, device: torch.device, repeats: int = 3) -> dict:
                     for n, us in total.most_common(10)]}
 
 
-def count_bodies(runtime, ops: str, args) -> dict:
-    """The kernels of each body of one step with the target's per-layer `ops`."""
+def count_bodies(runtime, ops: str, args) -> tuple[dict, Engine]:
+    """The kernels of each body of one step with the target's per-layer `ops`, and the engine
+    that ran them."""
     device = runtime.device
     # the graphed backend's bodies; on a CPU they run uncaptured (its ops are counted instead)
     engine = Engine(runtime.target, "graphed", ops=ops, use_graph=None if device.type == "cuda" else False)
@@ -96,8 +97,7 @@ def count_bodies(runtime, ops: str, args) -> dict:
             variant["bodies"][name] = kernels_of(body, device)
             print(f"[{ops}] {name:>20}: {variant['bodies'][name]['launches']:7.1f} launches, "
                   f"{variant['bodies'][name]['kernel_us']:8.1f} us", flush=True)
-    variant["engine"] = engine
-    return variant
+    return variant, engine
 
 
 def drafter_for(runtime, engine, prompt: list[int], settings: DecodeSettings, args):
@@ -132,7 +132,7 @@ def speed_row(runtime, engine, texts: list[str], args) -> dict:
 
     row = pair_row(dataclasses.replace(runtime, engine=engine), texts,
                    {"drafter": args.drafter, "tree": args.tree, "budget": args.budget, "top_k": args.top_k,
-                    "block_size": 8, "max_new_tokens": args.tokens})
+                    "block_size": 8, "oracle_alpha": args.alpha, "max_new_tokens": args.tokens})
     keep = ("tau", "ms_per_token", "ar_ms_per_token", "speedup", "time_split_ms_per_step", "exact")
     return {key: row[key] for key in keep}
 
@@ -168,8 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         result["speed"] = {"prompt_file": str(args.speed_prompts), "prompts": len(texts), "new_tokens": args.tokens}
     args.out.mkdir(parents=True, exist_ok=True)
     for ops in args.ops.split(","):
-        variant = count_bodies(runtime, ops, args)
-        engine = variant.pop("engine")
+        variant, engine = count_bodies(runtime, ops, args)
         if args.speed_prompts:
             variant["speed"] = speed_row(runtime, engine, texts, args)
             print(f"[{ops}] AR {variant['speed']['ar_ms_per_token']['median']:.4f} ms/token, "
