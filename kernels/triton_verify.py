@@ -39,6 +39,10 @@ MAX_K, MAX_V = 256, 512     # a [K, BV] state tile lives in registers; V is tile
 # (~1e-3 relative error, too coarse to match the serial recurrence); "ieee" is plain fp32
 # FMA ("tf32x3" is near-fp32 on tensor cores but used more registers in ptxas reports).
 DOT_PRECISION = "ieee"
+# o may be written rounded to the model's dtype (what the output norm reads); delta is fp32
+OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The walk kernels' tile orientation: [BV, K] (sums over K within a warp) or [K, BV]
+WALK_V_FIRST = False
 
 
 # ---------------------------------------------------------------------------------------
@@ -47,19 +51,30 @@ DOT_PRECISION = "ieee"
 
 @triton.jit
 def _fold_pending(h, kp, dp, gp, i_b, i_h, P, o_k, o_v,
-                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
-    """Apply P accepted rank-1 updates to a state tile h [BK, BV], in order.
+                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, V_FIRST: tl.constexpr = False,
+                  PB: tl.constexpr = 16):
+    """Apply P accepted rank-1 updates to a state tile h, `commit_closed_form` PB at a time.
 
-    o_k [BK, 1] and o_v [1, BV] index the tile's key rows and value columns. Same
-    operations as `commit_ref`: S = exp(g) S, then S = S + k delta^T. Rows of the state
-    are independent here, so a tile may cover any subset of K.
+    h is [BK, BV] ([BV, BK] with V_FIRST); o_k and o_v (1-D) index its key rows and value
+    columns. Within a block of PB factors, S = exp(G_T) S + sum_t exp(G_T - G_t) k_t d_t^T as
+    one product: a serial fold waits on three dependent loads per factor, this on one block.
+    Blocks fold in order. Rows of the state are independent here, so a tile may cover any
+    subset of K.
     """
-    for t in range(P):
-        row = (i_b * P + t) * H + i_h
-        h = h * tl.exp(tl.load(gp + row).to(tl.float32))
-        b_k = tl.load(kp + row * K + o_k).to(tl.float32)        # [BK, 1]
-        b_d = tl.load(dp + row * V + o_v).to(tl.float32)        # [1, BV]
-        h = h + b_k * b_d
+    o_p = tl.arange(0, PB)
+    for p0 in range(0, P, PB):
+        m = p0 + o_p < P
+        row = (i_b * P + p0 + o_p) * H + i_h                                      # [PB]
+        b_g = tl.load(gp + row, mask=m, other=0.).to(tl.float32)
+        G = tl.cumsum(b_g, 0)
+        G_T = tl.sum(b_g, 0)
+        b_k = tl.load(kp + row[:, None] * K + o_k[None, :], mask=m[:, None], other=0.).to(tl.float32)
+        b_k = b_k * tl.exp(G_T - G)[:, None]                                      # [PB, BK]
+        b_d = tl.load(dp + row[:, None] * V + o_v[None, :], mask=m[:, None], other=0.).to(tl.float32)
+        if V_FIRST:
+            h = h * tl.exp(G_T) + tl.dot(tl.trans(b_d), b_k, input_precision="ieee")
+        else:
+            h = h * tl.exp(G_T) + tl.dot(tl.trans(b_k), b_d, input_precision="ieee")
     return h
 
 
@@ -154,7 +169,7 @@ def _walk_kernel(
     kp, dp, gp, P,                                        # pending factors (HAS_PENDING)
     chain_nodes, chain_len, chain_src, node_slot, scratch, chain_start, max_len,  # SCHEDULED
     N, B: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    SCHEDULED: tl.constexpr, HAS_PENDING: tl.constexpr,
+    SCHEDULED: tl.constexpr, HAS_PENDING: tl.constexpr, V_FIRST: tl.constexpr = False,
 ):
     """One program = one (batch, head, V tile) of one chain; walks the chain's tokens.
 
@@ -164,13 +179,21 @@ def _walk_kernel(
     `scratch`, and writes the state after every node that has a slot (a node with a light
     child) back to `scratch` for the next wave. S itself is written only by the pending
     fold, once, before any token.
+
+    The tile is held [K, BV], or [BV, K] with V_FIRST: then the two sums over K a token
+    needs run along a tile row (within a warp, by shuffles) instead of across warps.
     """
     i_v, i_bh, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    # Vectors are kept 2-D, k/q as [K, 1] columns and v/o/delta as [1, BV] rows, so they
-    # are loaded straight into the state tile's layout (no layout shuffle per token).
-    o_k = tl.arange(0, K)[:, None]
-    o_v = i_v * BV + tl.arange(0, BV)[None, :]
+    # Vectors are kept 2-D in the tile's layout (k/q along K, v/o/delta along BV), so they
+    # are loaded straight into it (no layout shuffle per token).
+    ks, vs = tl.arange(0, K), i_v * BV + tl.arange(0, BV)
+    if V_FIRST:
+        o_k, o_v = ks[None, :], vs[:, None]
+        RED: tl.constexpr = 1
+    else:
+        o_k, o_v = ks[:, None], vs[None, :]
+        RED: tl.constexpr = 0
     p_S = S + i_b * stride_sb + i_h * stride_sh + o_k * stride_sk + o_v * stride_sv
     # scratch is [slots, B, H, K, V] contiguous; offset of this program's tile in slot 0
     o_tile = (i_b * H + i_h).to(tl.int64) * K * V + o_k * V + o_v
@@ -189,7 +212,7 @@ def _walk_kernel(
 
     if HAS_PENDING:
         # deferred commit: fold the accepted factors, write the state once, verify from it
-        h = _fold_pending(h, kp, dp, gp, i_b, i_h, P, o_k, o_v, H, K, V)
+        h = _fold_pending(h, kp, dp, gp, i_b, i_h, P, ks, vs, H, K, V, V_FIRST)
         tl.store(p_S, h)
 
     if SCHEDULED:
@@ -211,9 +234,9 @@ def _walk_kernel(
         n_q, n_k, n_v, n_g, n_beta = _load_token(q, k, v, g, beta, row_next, o_k, o_v, has_next, K, V)
         # the same steps as gated_delta_step, on this tile's value columns
         h = h * tl.exp(b_g)
-        b_d = b_beta * (b_v - tl.sum(h * b_k, 0, keep_dims=True))
+        b_d = b_beta * (b_v - tl.sum(h * b_k, RED, keep_dims=True))
         h = h + b_k * b_d
-        b_o = tl.sum(h * b_q, 0, keep_dims=True)
+        b_o = tl.sum(h * b_q, RED, keep_dims=True)
         tl.store(o + row * V + o_v, b_o)
         tl.store(delta + row * V + o_v, b_d)
         if SCHEDULED:
@@ -234,7 +257,8 @@ def _pending_args(pending, like: torch.Tensor):
     return kp, dp, gp, kp.shape[1], True
 
 
-def _chain_verify(q, k, v, g, beta, S0, pending, o, delta, block_v=None, num_warps=None):
+def _chain_verify(q, k, v, g, beta, S0, pending, o, delta, block_v=None, num_warps=None,
+                  v_first=None):
     B, N, H, K = q.shape
     V = v.shape[-1]
     BV, warps = _walk_config(B * H, K, V, block_v, num_warps)
@@ -244,7 +268,7 @@ def _chain_verify(q, k, v, g, beta, S0, pending, o, delta, block_v=None, num_war
         kp, dp, gp, P,
         q, q, q, q, q, 0, 0,                              # no schedule
         N, B=B, H=H, K=K, V=V, BV=BV, SCHEDULED=False, HAS_PENDING=has_pending,
-        num_warps=warps)
+        V_FIRST=WALK_V_FIRST if v_first is None else v_first, num_warps=warps)
 
 
 class HybridSchedule:
@@ -311,7 +335,7 @@ def prepare_topology(topo, device) -> None:
 
 
 def _hybrid_verify(q, k, v, g, beta, S0, sched: HybridSchedule, pending, o, delta,
-                   block_v=None, num_warps=None, scratch=None):
+                   block_v=None, num_warps=None, scratch=None, v_first=None):
     B, N, H, K = q.shape
     V = v.shape[-1]
     BV, warps = _walk_config(B * H, K, V, block_v, num_warps)
@@ -332,7 +356,7 @@ def _hybrid_verify(q, k, v, g, beta, S0, sched: HybridSchedule, pending, o, delt
             sched.chain_nodes, sched.chain_len, sched.chain_src, sched.node_slot, scratch,
             start, sched.max_len,
             N, B=B, H=H, K=K, V=V, BV=BV, SCHEDULED=True, HAS_PENDING=has_pending and w == 0,
-            num_warps=warps)
+            V_FIRST=WALK_V_FIRST if v_first is None else v_first, num_warps=warps)
     return scratch
 
 
@@ -428,7 +452,7 @@ def _tree_solve_kernel(
         p_S = S + i_b * stride_sb + i_h * stride_sh + o_k[:, None] * stride_sk + o_v[None, :] * stride_sv
         b_S = tl.load(p_S)
         if HAS_PENDING:
-            b_S = _fold_pending(b_S, kp, dp, gp, i_b, i_h, P, o_k[:, None], o_v[None, :], H, K, V)
+            b_S = _fold_pending(b_S, kp, dp, gp, i_b, i_h, P, o_k, o_v, H, K, V)
             tl.store(p_S, b_S)
         b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
         b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
@@ -506,13 +530,12 @@ def _tree_verify(q, k, v, g, beta, S0, parents, pending, o, delta, block_v=None)
 @triton.jit(do_not_specialize=["P"])
 def _commit_kernel(S, stride_sb, stride_sh, stride_sk, stride_sv, kp, dp, gp, P,
                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
-    """One program per (batch, head, V tile): load the tile, P serial updates, store once."""
+    """One program per (batch, head, V tile): load the tile, fold the P factors, store once."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    o_k = tl.arange(0, K)[:, None]
-    o_v = i_v * BV + tl.arange(0, BV)[None, :]
-    p_S = S + i_b * stride_sb + i_h * stride_sh + o_k * stride_sk + o_v * stride_sv
-    h = _fold_pending(tl.load(p_S), kp, dp, gp, i_b, i_h, P, o_k, o_v, H, K, V)
+    ks, vs = tl.arange(0, K), i_v * BV + tl.arange(0, BV)
+    p_S = S + i_b * stride_sb + i_h * stride_sh + ks[:, None] * stride_sk + vs[None, :] * stride_sv
+    h = _fold_pending(tl.load(p_S), kp, dp, gp, i_b, i_h, P, ks, vs, H, K, V)
     tl.store(p_S, h)
 
 
@@ -549,7 +572,7 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
            beta: torch.Tensor, S0: torch.Tensor, topo,
            pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *,
            out: tuple[torch.Tensor, torch.Tensor] | None = None,
-           block_v: int | None = None, num_warps: int | None = None,
+           block_v: int | None = None, num_warps: int | None = None, v_first: bool | None = None,
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Outputs and deltas [B,N,H,V] fp32 of every node of `topo` for one layer.
 
@@ -558,9 +581,9 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     pending: accepted factors of the previous step, folded into S0 in place first (the
     deferred commit; fused into the verify kernel, except for a hybrid whose first wave
     has several chains, where the commit kernel runs first).
-    out: optional preallocated (o, delta), contiguous fp32 [B,N,H,V] (static buffers for a
-    CUDA graph; tests poison them). For benchmarking, block_v overrides the V tile (every
-    mode) and num_warps the warps of the walk kernels.
+    out: optional preallocated (o, delta), contiguous [B,N,H,V], delta fp32 and o fp32 or
+    rounded to bf16 / fp16 on store (static buffers for a CUDA graph; tests poison them). For benchmarking, block_v overrides the V tile (every
+    mode), num_warps the warps of the walk kernels and v_first their tile orientation.
     """
     if mode not in MODES:
         raise ValueError(f"unknown verification mode {mode!r}; the kernels do {', '.join(MODES)}")
@@ -575,20 +598,20 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         delta = torch.empty_like(o)
     else:
         o, delta = out
-        for t in out:
-            if t.shape != (B, N, H, V) or t.dtype != torch.float32 or not t.is_contiguous() \
+        for t, dtypes in ((o, OUT_DTYPES), (delta, (torch.float32,))):
+            if t.shape != (B, N, H, V) or t.dtype not in dtypes or not t.is_contiguous() \
                     or t.device != q.device:
-                raise ValueError(f"out tensors must be contiguous float32 [B, N, H, V] = "
-                                 f"{(B, N, H, V)} on {q.device}")
+                raise ValueError(f"out tensors must be contiguous [B, N, H, V] = {(B, N, H, V)} "
+                                 f"on {q.device}, delta float32 and o one of {OUT_DTYPES}")
     if mode == "chain":
-        _chain_verify(q, k, v, g, beta, S0, pending, o, delta, block_v, num_warps)
+        _chain_verify(q, k, v, g, beta, S0, pending, o, delta, block_v, num_warps, v_first)
     elif mode == "tree":
         _tree_verify(q, k, v, g, beta, S0, topo.parents, pending, o, delta, block_v)
     else:
         if len(topo.tree.parents) != N:
             raise ValueError(f"topology has {len(topo.tree.parents)} nodes but the inputs {N}")
         _hybrid_verify(q, k, v, g, beta, S0, hybrid_schedule(topo, q.device), pending, o, delta,
-                       block_v, num_warps)
+                       block_v, num_warps, v_first=v_first)
     return o, delta
 
 

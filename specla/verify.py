@@ -49,8 +49,9 @@ def verify_layer(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
 
     The state S0 [B,H,K,V] is written only when `pending` (k, delta, g of accepted tokens
     from the previous step, [B,P,...]) is given: those are folded into S0 in place first.
-    out: (o, delta) buffers, fp32 contiguous [B,N,H,V], that the kernels write directly; the
-    references copy their delta into out[1]. The delta returned is then out[1].
+    out: (o, delta) buffers, contiguous [B,N,H,V] (delta fp32, o fp32 or the model's dtype)
+    that the kernels write directly; the references copy their delta into out[1]. The delta
+    returned is then out[1].
     """
     mode = resolve_mode(mode, topo, q.device.type)
     # The Triton kernels are inference-only; with autograd on (training our plain-torch model

@@ -138,8 +138,10 @@ class PackedTarget:
             out = None if factors is None else (factors.k[l], factors.g[l], factors.conv_in[l])
             q, k, v, g, beta = ops.conv_gates(conv_in, a, b, state.conv[l][..., 1:], conv_index,
                                               layer, c, out)
-            # the deltas are factors: the kernels write them straight into the commit buffer
-            out = None if factors is None else (torch.empty_like(factors.delta[l]), factors.delta[l])
+            # the deltas are factors: the kernels write them straight into the commit buffer;
+            # the outputs in the model's dtype, the gated norm's input (no conversion launch)
+            out = None if factors is None else (torch.empty_like(factors.delta[l], dtype=self.dtype),
+                                                factors.delta[l])
             o, delta = verify_fn(l, q, k, v, g, beta, state.recurrent[l], out)
             if factors is not None and delta is not factors.delta[l]:
                 factors.delta[l].copy_(delta)
