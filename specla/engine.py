@@ -62,7 +62,8 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 class Engine:
     """A target and the backend that decodes it (`BACKENDS`; "auto": graphed on CUDA).
 
-    compile_drafter: `torch.compile` the device drafters' ops before capture (None: on CUDA);
+    compile_drafter: `torch.compile` the device drafters' ops and the device oracle's acceptance
+    before capture (None: on CUDA);
     fused_head: LiLiCorr's head as Triton kernels where supported (None: wherever it can).
     use_graph: capture the graphed backend's bodies (None: on CUDA; False runs the same
     bodies eagerly, which is how the CPU tests check them).
@@ -350,7 +351,8 @@ class Engine:
                                          max_steps=capacity + 2 * P + 9, max_nodes=len(tree),
                                          capacity=capacity + 4 * P + 16, device=self.device, seed=0)
             spec = GraphedSpec(self.packed, state, tree, mode=settings.mode, deferred=settings.deferred,
-                               oracle=device_oracle, use_graph=self.use_graph, recurrence=self.recurrence)
+                               oracle=device_oracle, use_graph=self.use_graph, recurrence=self.recurrence,
+                               compile=self.compile_drafter and self.use_graph)
             ar = GraphedAR(self.packed, max_len=capacity + 4 * P + 16, use_graph=self.use_graph)
             run = self._decoders[key] = {"spec": spec, "ar": ar, "capacity": capacity + 2 * P + 8}
             self._evict()

@@ -264,3 +264,31 @@ def test_device_ngram_drafter_equals_the_host_one(shape, compiled):
     a, b = compare(eager, graphed, [1, 2, 3, 1, 2, 3, 1], drafter, settings, ds)
     assert [t for r in b for t in r.new_tokens] == eager.ar([1, 2, 3, 1, 2, 3, 1], settings).tokens
     assert sum(len(r.acceptance.tokens) for r in b) > 0, "the loop should be drafted and accepted"
+
+
+def test_a_compiled_acceptance_that_fails_captures_uncompiled(cpu_pair):
+    """torch.compile failing on the acceptance (a compiler bug, a missing toolchain): the phase
+    is captured with the plain ops instead, and the spec says why."""
+    from specla.graphs.runtime import PackedTarget
+    from specla.graphs.spec import GraphedSpec, SpecState
+    from specla.tree import DraftTree
+
+    target = cpu_pair[0]
+    rt = PackedTarget(target)
+    tree = DraftTree.chain([0, 1, 2])
+    spec = GraphedSpec(rt, SpecState(rt, max_path=3, capacity=8), tree, use_graph=False, compile=True)
+    assert spec.compiled
+    bodies = []
+
+    def capture_once(phase):
+        bodies.append(spec._accept)
+        if len(bodies) == 1:
+            raise RuntimeError("inductor: no compiler today")
+
+    spec._capture_once = capture_once
+    spec._capture("accept")
+    assert not spec.compiled and "no compiler today" in spec.compile_error
+    assert bodies[0] is not spec.accept and bodies[1] == spec.accept
+    with pytest.raises(RuntimeError, match="verify failed"):   # other phases' failures propagate
+        spec._capture_once = lambda phase: (_ for _ in ()).throw(RuntimeError("verify failed"))
+        spec._capture("verify")

@@ -203,15 +203,17 @@ def e2e_oracle_gpu(args, res: Results, deadline: Deadline) -> dict:
         oracle = DeviceOracle(cont, config.vocab_size, 0.0, max_steps=capacity + 1,
                               max_nodes=len(tree), capacity=capacity + 2 * max_path + 8,
                               device=args.device, seed=args.seed)
+        # acceptance compiled as the engine's oracle and device drafters have it
         spec = GraphedSpec(rt, state, tree, mode="auto", deferred=deferred, oracle=oracle,
-                           recurrence=args.recurrence)
+                           recurrence=args.recurrence, compile=args.device == "cuda")
         for alpha in alphas_here:
             if not deadline.ok(20):
                 out["rows"].append({"name": name, "alpha": alpha, "skipped": "deadline"})
                 continue
             row = {"name": name, "kind": "oracle", "topology": name, "nodes": len(tree),
                    "depth": tree.depth, "mode": spec.mode, "alpha": alpha, "deferred": deferred,
-                   "capture_ms": spec.capture_ms}
+                   "capture_ms": spec.capture_ms, "accept_compiled": spec.compiled,
+                   **({"compile_error": spec.compile_error} if spec.compile_error else {})}
             guarded(row, "result", oracle_row, spec, ar, snap, root, n, alpha, cont, ar_tokens,
                     repeats, t_ar, threshold)
             if isinstance(row.get("result"), dict) and "error" not in row["result"]:

@@ -341,12 +341,25 @@ class GraphedSpec:
         self._accept = torch.compile(self.accept, dynamic=False) if self.compiled else self.accept
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self.capture_ms = 0.0
+        self.compile_error: str | None = None
         if self.use_graph:
             drafts = oracle is not None or drafter is not None
             for phase in PHASES if drafts else PHASES[:2]:
                 self._capture(phase)
             if whole_step:
                 self._capture("step")
+
+    def _capture(self, phase: str) -> None:
+        """Capture one phase; a compiled acceptance that fails to compile or capture falls
+        back to the plain ops (the same results, more launches), noted in `compile_error`."""
+        try:
+            self._capture_once(phase)
+        except Exception as err:  # noqa: BLE001 - any compiler failure: run uncompiled
+            if not (self.compiled and phase in ("accept", "step")):
+                raise
+            self.compiled, self._accept = False, self.accept
+            self.compile_error = f"{type(err).__name__}: {str(err)[:300]}"
+            self._capture_once(phase)
 
     # ---- phases
     def _verify_layer(self, l, q, k, v, g, beta, S, out=None):
@@ -467,7 +480,7 @@ class GraphedSpec:
         return {"verify": self.verify, "accept": self._accept, "draft": self.draft,
                 "step": lambda: (self.verify(), self._accept(), self.draft())}[phase]
 
-    def _capture(self, phase: str) -> None:
+    def _capture_once(self, phase: str) -> None:
         t0 = time.perf_counter()
         # the warm-up runs the body for real: every static buffer it writes is put back
         extra = [self.tokens, self.result] + list(getattr(self.drafter, "buffers", list)())
