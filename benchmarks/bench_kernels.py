@@ -164,20 +164,20 @@ def copy_bandwidth(device) -> dict:
 # Inputs
 # ---------------------------------------------------------------------------------------
 
-def node_inputs(n: int, device, seed: int) -> dict:
+def node_inputs(n: int, device, seed: int, heads: int = H, key: int = K, value: int = V) -> dict:
     gen = torch.Generator().manual_seed(seed)
-    x = dict(q=F.normalize(torch.randn(B, n, H, K, generator=gen), dim=-1) * K ** -0.5,
-             k=F.normalize(torch.randn(B, n, H, K, generator=gen), dim=-1),
-             v=torch.randn(B, n, H, V, generator=gen),
-             g=-torch.rand(B, n, H, generator=gen), beta=torch.rand(B, n, H, generator=gen))
+    x = dict(q=F.normalize(torch.randn(B, n, heads, key, generator=gen), dim=-1) * key ** -0.5,
+             k=F.normalize(torch.randn(B, n, heads, key, generator=gen), dim=-1),
+             v=torch.randn(B, n, heads, value, generator=gen),
+             g=-torch.rand(B, n, heads, generator=gen), beta=torch.rand(B, n, heads, generator=gen))
     return {name: t.to(device) for name, t in x.items()}
 
 
-def factors(t: int, device, seed: int) -> tuple:
+def factors(t: int, device, seed: int, heads: int = H, key: int = K, value: int = V) -> tuple:
     gen = torch.Generator().manual_seed(seed)
-    return (F.normalize(torch.randn(B, t, H, K, generator=gen), dim=-1).to(device),
-            (0.5 * torch.randn(B, t, H, V, generator=gen)).to(device),
-            (-torch.rand(B, t, H, generator=gen)).to(device))
+    return (F.normalize(torch.randn(B, t, heads, key, generator=gen), dim=-1).to(device),
+            (0.5 * torch.randn(B, t, heads, value, generator=gen)).to(device),
+            (-torch.rand(B, t, heads, generator=gen)).to(device))
 
 
 # ---------------------------------------------------------------------------------------
@@ -229,18 +229,44 @@ def project(ops, prologue: str, i: dict, **blocks) -> torch.Tensor:
     return ops.swiglu_linear(i["gate_up"], i["w"], **blocks)
 
 
-def projection_tilings(prologue: str, K: int, quick: bool, M: int = 1) -> list[dict]:
-    """block_k x block_n x num_stages to try (the gated norm's block_k is the head width), and
-    for a row or two the GEMV form (no tensor-core operand layout)."""
+def projection_tilings(prologue: str, K: int, quick: bool, M: int = 1, head: int = 0) -> list[dict]:
+    """The kernel's own pick ({}) and around it: for a row or two the GEMV form, block_k x
+    block_n x split_k (no tl.dot, so no stages to pipeline); the tl.dot form, block_k x block_n
+    x num_stages x split_k. The gated norm's K blocks are whole heads of `head` columns; a
+    split_k is kept only where K has that many blocks (the kernel would run fewer slices).
+    At most 36 tilings a shape, 13 quick."""
     from kernels.triton_projection import MAX_GEMV_ROWS
 
-    widest = 1 << (K - 1).bit_length()          # the kernel's K block never exceeds K's next power of 2
-    ks = [None] if prologue == "gated_norm" else [bk for bk in (128, 256, 512) if bk <= max(128, widest)]
-    ns, stages = ((16,), (1, 3)) if quick else ((16, 32), (1, 2, 3))
-    tilings = [{**({"block_k": bk} if bk else {}), "block_n": bn, "num_stages": st}
-               for bk in ks for bn in ns for st in stages]
-    if M <= MAX_GEMV_ROWS:     # no tl.dot, so nothing to pipeline: the stages compile to the same code
-        tilings += [{**({"block_k": bk} if bk else {}), "block_n": bn, "gemv": True} for bk in ks for bn in ns]
+    widest = max(head, 1 << (K - 1).bit_length())   # a K block past K's next power of 2 is all mask
+
+    def blocks_k(options):
+        fit = [bk for bk in options if bk <= widest and bk % max(head, 1) == 0]
+        return fit or [widest if head > widest else head]
+
+    def splits(bk, options):
+        k_blocks = -(-K // bk)
+        per_slice = lambda s: -(-k_blocks // s)  # noqa: E731 - K blocks a slice
+        return [s for s in options if -(-k_blocks // per_slice(s)) == s]      # the slices that run
+
+    gemv = M <= MAX_GEMV_ROWS
+    if quick:
+        g_ks, g_ns, g_splits = (256, 512), (4, 8), (1, 4)
+        d_ks, d_ns, stages, d_splits = (256,), (16,), (3,), (1, 4)
+        if not gemv:
+            d_ks, stages, d_splits = (128, 256), (1, 3), (1, 2, 4)
+    else:
+        # GEMV block_n 16 and tl.dot block_k 512 spill (ptxas, sm_90): not timed
+        g_ks, g_ns, g_splits = (256, 512, 1024), (2, 4, 8), (1, 2, 4)
+        d_ks, d_ns, stages = (128, 256), (16, 32), (1, 3)
+        d_splits = (1, 4) if gemv else (1, 2, 4, 8)
+    tilings = [{}]
+    if gemv:
+        tilings += [{"gemv": True, "block_k": bk, "block_n": bn, "split_k": s}
+                    for bk in blocks_k(g_ks) for bn in g_ns for s in splits(bk, g_splits)]
+        if not quick:      # the tl.dot form at a row or two: its 16-row blocks only
+            d_ns = (16,)
+    tilings += [{"gemv": False, "block_k": bk, "block_n": bn, "num_stages": st, "split_k": s}
+                for bk in blocks_k(d_ks) for bn in d_ns for st in stages for s in splits(bk, d_splits)]
     return tilings
 
 
@@ -309,18 +335,36 @@ class Bench:
                     *args, self.states[l], topo, snapshots=snaps[l]), **info)
                 del snaps
 
-    def walk_sweep(self, sizes=(16, 64)) -> None:
-        """Tile width and warps of the chain kernel (the defaults come from _walk_config)."""
+    def walk_sweep(self, sizes=(9, 16), pending: int = 9) -> None:
+        """Tile width, warps and orientation of the chain kernel (the defaults come from
+        _walk_config), folding a deferred commit of `pending` factors first as decoding does,
+        at this bench's shape and at the embedded model's (H=6, K=V=64); and the tree
+        kernels' tile width."""
         tv = self.tv
-        for n in sizes:
+        shapes = {"gdn-1.3b": (H, K, V, self.states),
+                  "embedded": (6, 64, 64, torch.randn(self.layers, B, 6, 64, 64, device=self.dev))}
+        for model, (heads, key, value, states) in shapes.items():
+            for n in sizes:
+                x = node_inputs(n, self.dev, seed=n, heads=heads, key=key, value=value)
+                args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+                folded = factors(pending, self.dev, seed=n + 1, heads=heads, key=key, value=value)
+                topo = Topo(chain(n), self.dev)
+                for bv in (16, 32, 64):
+                    for warps in (1, 2, 4, 8):
+                        for v_first in (False, True):
+                            if bv > value or (warps > 1 and key * bv // warps < 256):
+                                continue          # a tile too small to split that far
+                            self.run("chain_sweep", lambda l, bv=bv, warps=warps, v_first=v_first: tv.verify(
+                                "chain", *args, states[l], topo, pending=folded, block_v=bv,
+                                num_warps=warps, v_first=v_first),
+                                model=model, topology="chain", N=n, P=pending, block_v=bv,
+                                num_warps=warps, v_first=v_first)
+                self.run("chain_sweep_default", lambda l: tv.verify(
+                    "chain", *args, states[l], topo, pending=folded),
+                    model=model, topology="chain", N=n, P=pending)
+        for n in (16, 64):
             x = node_inputs(n, self.dev, seed=n)
             args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-            topo = Topo(chain(n), self.dev)
-            for bv in (16, 32, 64):
-                for warps in (1, 2, 4, 8):
-                    self.run("chain_sweep", lambda l, bv=bv, warps=warps: tv.verify(
-                        "chain", *args, self.states[l], topo, block_v=bv, num_warps=warps),
-                        topology="chain", N=n, block_v=bv, num_warps=warps)
             for bv in (16, 32):
                 parents = random_tree(n)
                 ttopo = Topo(parents, self.dev)
@@ -386,7 +430,9 @@ class Bench:
                     info = dict(model=model, projection=proj, M=M, K=K, N=N)
                     self.run("projection_unfused", lambda l, i=inputs: project(fla, prologue, i[l]), **info)
                     want = project(fla, prologue, inputs[0])
-                    for blocks in projection_tilings(prologue, K, self.replays < 40, M):
+                    head = config.head_v_dim if prologue == "gated_norm" else 0
+                    picked = tp.picked_tiling(M, N, K, torch.bfloat16, head, self.dev)
+                    for blocks in projection_tilings(prologue, K, self.replays < 40, M, head):
                         try:
                             got = project(tp, prologue, inputs[0], **blocks)
                             err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
@@ -400,7 +446,7 @@ class Bench:
                                                 "error": f"relative error {err:.3g} against fla + cuBLAS"})
                             continue
                         self.run("projection_fused", lambda l, i=inputs, b=blocks: project(tp, prologue, i[l], **b),
-                                 **info, **blocks, rel_err=err)
+                                 **info, **(blocks or {"default": picked}), rel_err=err)
 
     def checks(self) -> list[dict]:
         """Relative error of each mode against the reference (fresh state, with pending)."""
@@ -543,11 +589,14 @@ def markdown(results: list[dict], auto_rule: dict) -> str:
                          f"| {cell('immediate', **m)} | {sp} |")
     sweep = [r for r in results if r["name"] == "chain_sweep"]
     if sweep:
-        lines += ["", "### chain kernel tiles (best per N)", ""]
-        for n in sorted({r["N"] for r in sweep}):
-            best = min((r for r in sweep if r["N"] == n), key=lambda r: r["us"]["median"])
-            lines.append(f"- N={n}: block_v={best['block_v']} num_warps={best['num_warps']} "
-                         f"{best['us']['median']:.1f} us (default: {cell('chain', topology='chain', N=n)} us)")
+        lines += ["", "### chain kernel tiles with a pending commit folded in (best per model and N)", ""]
+        for model, n in sorted({(r.get("model", "gdn-1.3b"), r["N"]) for r in sweep}):
+            rows = [r for r in sweep if r.get("model", "gdn-1.3b") == model and r["N"] == n]
+            best = min(rows, key=lambda r: r["us"]["median"])
+            lines.append(f"- {model} N={n} P={best.get('P', 0)}: block_v={best['block_v']} "
+                         f"num_warps={best['num_warps']} v_first={best.get('v_first', False)} "
+                         f"{best['us']['median']:.1f} us (default: "
+                         f"{cell('chain_sweep_default', model=model, N=n)} us)")
     lines += ["", f"auto_rule: chain_max_nodes={auto_rule['chain_max_nodes']}, "
                   f"hybrid_min_depth_ratio={auto_rule['hybrid_min_depth_ratio']}"]
     return "\n".join(lines)

@@ -11,17 +11,32 @@ loop over the input dimension:
     gated_norm  y = (rms_norm_per_head(o) * act(gate)) @ W.T
     swiglu      y = (silu(gu[:, :I]) * gu[:, I:]) @ W.T
 
-Each program owns BN output columns for all rows; its prologue recomputes the scaled input
-block by block (the norm's mean square in a first pass over x), which costs a re-read of x:
-a few KB against the weights' hundreds. The arithmetic rounds where the plain-torch ops of
-`kernels/reference.py` round (x + residual and every op's output in the input dtype), with
-fp32 products accumulated in fp32; `reference.norm_linear_ref` and friends are the spec.
+Each program owns BN output columns for all rows and a range of the input dimension K; its
+prologue recomputes the scaled input block by block (the norm's mean square in a first pass
+over the whole row), which costs a re-read of x: a few KB against the weights' hundreds. The
+arithmetic rounds where the plain-torch ops of `kernels/reference.py` round (x + residual and
+every op's output in the input dtype), with fp32 products accumulated in fp32;
+`reference.norm_linear_ref` and friends are the spec.
 
-For a row or two (`gemv=True`) the products are summed in registers instead of by tl.dot,
-whose tensor-core operands need 16 rows and a trip through shared memory.
+A decode step is bound by streaming the weights, so the tiling is about bytes in flight:
+
+- GEMV form (`gemv=True`, a row or two): each row's products go into a [BN, BK] fp32
+  register accumulator summed over K once after the loop, and the next weight tile is loaded
+  before the current one is used, so each program keeps two tiles of loads outstanding and
+  never waits on a cross-thread reduction inside the loop. No tensor-core operand layout.
+- dot form (up to 64 rows): tl.dot on a 16-row (or wider) block, pipelined by `num_stages`.
+- split-K (`split_k`): when N has too few column blocks to fill the GPU, SPLIT programs per
+  column block each take a slice of K and write fp32 partials; the last program of a column
+  block to arrive sums them in the fixed order 0..SPLIT-1, so the result has the same bits on
+  every run (a CUDA-graph replay must match an eager run token for token).
+
+The gated norm's K blocks are whole heads (one or several): each head's norm is local to
+its block. With no tiling keywords `_launch` picks a tiling from M, N and K (`_tiling`).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 
 import torch
@@ -30,7 +45,9 @@ import triton.language as tl
 
 PROLOGUES = {"norm": 0, "gated_norm": 1, "swiglu": 2}
 MAX_ROWS = 64              # [BM, BK] input blocks live in registers
-MAX_GEMV_ROWS = 2          # the GEMV form's [BM, BN, BK] products too
+MAX_GEMV_ROWS = 2          # the GEMV form: one [BN, BK] accumulator a row
+MAX_SPLIT = 16
+DEFAULT_SMS = 132          # an H200's, where the device cannot be asked (the interpreter)
 
 
 @triton.jit
@@ -47,8 +64,11 @@ def _dot(h, w, DOT: tl.constexpr):
 
 
 @triton.jit
-def _summed_input(x, x_stride, res, res_stride, rows, r_mask, ks, k_mask, HAS_RES: tl.constexpr):
-    """x + residual for one [BM, BK] block, rounded to x's dtype as a torch add is; fp32."""
+def _summed_input(src, rows, r_mask, ks, k_mask, HAS_RES: tl.constexpr):
+    """x + residual for one [BM, BK] block, rounded to x's dtype as a torch add is; fp32.
+    `src` is the kernel's inputs (x, x_stride, res, res_stride, res_out, gate, gate_stride,
+    norm_w)."""
+    x, x_stride, res, res_stride = src[0], src[1], src[2], src[3]
     mask = r_mask[:, None] & k_mask[None, :]
     r = tl.load(x + rows[:, None] * x_stride + ks[None, :], mask=mask, other=0.0)
     if HAS_RES:
@@ -58,59 +78,257 @@ def _summed_input(x, x_stride, res, res_stride, rows, r_mask, ks, k_mask, HAS_RE
 
 
 @triton.jit
-def _projection_kernel(x, x_stride, res, res_stride, res_out, gate, gate_stride, norm_w, w, y, y_stride,
-                       M, N, K, eps,
-                       PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr,
-                       DOT: tl.constexpr, GEMV: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = tl.arange(0, BM)
-    r_mask = rows < M
-    cols = pid * BN + tl.arange(0, BN)
-    c_mask = cols < N
-    dtype = w.dtype.element_ty
-    rstd = tl.zeros([BM], dtype=tl.float32)
-    if PROLOGUE == 0:        # the norm's mean square, over the whole row first
-        ss = tl.zeros([BM], dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            ks = k0 + tl.arange(0, BK)
-            r = _summed_input(x, x_stride, res, res_stride, rows, r_mask, ks, ks < K, HAS_RES)
-            ss += tl.sum(r * r, axis=1)
-        rstd = 1.0 / tl.sqrt(ss / K + eps)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
+def _row_rstd(src, rows, r_mask, K, eps, HAS_RES: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """1 / rms of each row of x + residual over all K columns (every K slice needs it)."""
+    ss = tl.zeros([BM, BK], dtype=tl.float32)
     for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK)
-        k_mask = ks < K
-        mask = r_mask[:, None] & k_mask[None, :]
-        if PROLOGUE == 0:
-            r = _summed_input(x, x_stride, res, res_stride, rows, r_mask, ks, k_mask, HAS_RES)
-            if HAS_RES and pid == 0:
+        r = _summed_input(src, rows, r_mask, ks, ks < K, HAS_RES)
+        ss += r * r
+    return 1.0 / tl.sqrt(tl.sum(ss, axis=1) / K + eps)
+
+
+@triton.jit
+def _input_block(src, rstd, eps, rows, r_mask, ks, k_mask, K, write_res, dtype: tl.constexpr,
+                 PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr,
+                 HEAD: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """The prologue's output for one [BM, BK] block of the matrix's input, in `dtype`."""
+    x, x_stride, res_out, gate, gate_stride, norm_w = src[0], src[1], src[4], src[5], src[6], src[7]
+    mask = r_mask[:, None] & k_mask[None, :]
+    if PROLOGUE == 0:
+        r = _summed_input(src, rows, r_mask, ks, k_mask, HAS_RES)
+        if HAS_RES:
+            if write_res:
                 tl.store(res_out + rows[:, None] * K + ks[None, :], r.to(dtype), mask=mask)
-            nw = tl.load(norm_w + ks, mask=k_mask, other=0.0).to(tl.float32)
-            h = ((r * rstd[:, None]) * nw[None, :]).to(dtype)
-        elif PROLOGUE == 1:  # one head per block (BK = the head's width): its norm is local
-            o = tl.load(x + rows[:, None] * x_stride + ks[None, :], mask=mask, other=0.0)
-            o = o.to(dtype).to(tl.float32)
-            o = o / tl.sqrt(tl.sum(o * o, axis=1) / BK + eps)[:, None]
-            nw = tl.load(norm_w + tl.arange(0, BK)).to(tl.float32)
-            normed = (o * nw[None, :]).to(dtype).to(tl.float32)
-            gt = tl.load(gate + rows[:, None] * gate_stride + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-            if SWISH:
-                act = (gt * tl.sigmoid(gt)).to(dtype).to(tl.float32)
-            else:
-                act = tl.sigmoid(gt).to(dtype).to(tl.float32)
-            h = (normed * act).to(dtype)
-        else:                # swiglu: x holds [gate | up], K = I columns each
-            a = tl.load(x + rows[:, None] * x_stride + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-            b = tl.load(x + rows[:, None] * x_stride + K + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-            h = ((a * tl.sigmoid(a)).to(dtype).to(tl.float32) * b).to(dtype)
-        wb = tl.load(w + cols[:, None] * K + ks[None, :], mask=c_mask[:, None] & k_mask[None, :], other=0.0)
-        if GEMV:     # a row or two: products and sums in registers, no tensor-core operand layout
-            acc += tl.sum(h.to(tl.float32)[:, None, :] * wb.to(tl.float32)[None, :, :], axis=2)
+        nw = tl.load(norm_w + ks, mask=k_mask, other=0.0).to(tl.float32)
+        h = ((r * rstd[:, None]) * nw[None, :]).to(dtype)
+    elif PROLOGUE == 1:  # BK / HEAD whole heads (the K slices start on head boundaries)
+        o = tl.load(x + rows[:, None] * x_stride + ks[None, :], mask=mask, other=0.0)
+        o = tl.reshape(o.to(dtype).to(tl.float32), [BM, BK // HEAD, HEAD])
+        o = o / tl.sqrt(tl.sum(o * o, axis=2) / HEAD + eps)[:, :, None]
+        nw = tl.load(norm_w + tl.arange(0, BK) % HEAD).to(tl.float32)
+        normed = (tl.reshape(o, [BM, BK]) * nw[None, :]).to(dtype).to(tl.float32)
+        gt = tl.load(gate + rows[:, None] * gate_stride + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        if SWISH:
+            act = (gt * tl.sigmoid(gt)).to(dtype).to(tl.float32)
         else:
-            acc += _dot(h, wb, DOT)
-    tl.store(y + rows[:, None] * y_stride + cols[None, :], acc.to(dtype),
-             mask=r_mask[:, None] & c_mask[None, :])
+            act = tl.sigmoid(gt).to(dtype).to(tl.float32)
+        h = (normed * act).to(dtype)
+    else:                # swiglu: x holds [gate | up], K = I columns each
+        a = tl.load(x + rows[:, None] * x_stride + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(x + rows[:, None] * x_stride + K + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        h = ((a * tl.sigmoid(a)).to(dtype).to(tl.float32) * b).to(dtype)
+    return h
+
+
+@triton.jit
+def _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl.constexpr,
+                PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr, HEAD: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """[BM, BN] fp32 products over the K columns [k_lo, k_hi), for one or two rows. Each row
+    has its own [BN, BK] accumulator in the weight tile's own register layout (a [BM, BN, BK]
+    one would move every tile through shared memory to a 3-D layout), summed over K once
+    after the loop; the next tile is loaded before this one's products, so each program
+    keeps two tiles of loads outstanding."""
+    row0 = tl.arange(0, 1)
+    row1 = row0 + 1
+    rstd0 = tl.zeros([1], dtype=tl.float32)
+    rstd1 = tl.zeros([1], dtype=tl.float32)
+    if PROLOGUE == 0:
+        rstd0 = _row_rstd(src, row0, row0 < M, K, eps, HAS_RES, 1, BK)
+        if BM == 2:
+            rstd1 = _row_rstd(src, row1, row1 < M, K, eps, HAS_RES, 1, BK)
+    offs = tl.arange(0, BK)
+    wb = tl.load(w_rows + k_lo + offs[None, :], mask=c_mask[:, None] & (k_lo + offs < k_hi)[None, :], other=0.0)
+    acc0 = tl.zeros([BN, BK], dtype=tl.float32)
+    acc1 = tl.zeros([BN, BK], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        ks = k0 + offs
+        nks = ks + BK
+        w_next = tl.load(w_rows + nks[None, :], mask=c_mask[:, None] & (nks < k_hi)[None, :], other=0.0)
+        wf = wb.to(tl.float32)
+        h0 = _input_block(src, rstd0, eps, row0, row0 < M, ks, ks < k_hi, K, write_res, dtype,
+                          PROLOGUE, HAS_RES, SWISH, HEAD, 1, BK)
+        acc0 += wf * h0.to(tl.float32)
+        if BM == 2:
+            h1 = _input_block(src, rstd1, eps, row1, row1 < M, ks, ks < k_hi, K, write_res, dtype,
+                              PROLOGUE, HAS_RES, SWISH, HEAD, 1, BK)
+            acc1 += wf * h1.to(tl.float32)
+        wb = w_next
+    acc = tl.sum(acc0, axis=1)[None, :]
+    if BM == 2:
+        acc = tl.where(tl.arange(0, BM)[:, None] == 0, acc, tl.sum(acc1, axis=1)[None, :])
+    return acc
+
+
+@triton.jit
+def _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl.constexpr,
+               PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr, HEAD: tl.constexpr,
+               DOT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """[BM, BN] fp32 products over the K columns [k_lo, k_hi) by tl.dot (num_stages
+    pipelines the weight loads)."""
+    rows = tl.arange(0, BM)
+    r_mask = rows < M
+    rstd = tl.zeros([BM], dtype=tl.float32)
+    if PROLOGUE == 0:
+        rstd = _row_rstd(src, rows, r_mask, K, eps, HAS_RES, BM, BK)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        ks = k0 + tl.arange(0, BK)
+        k_mask = ks < k_hi
+        h = _input_block(src, rstd, eps, rows, r_mask, ks, k_mask, K, write_res, dtype,
+                         PROLOGUE, HAS_RES, SWISH, HEAD, BM, BK)
+        wb = tl.load(w_rows + ks[None, :], mask=c_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += _dot(h, wb, DOT)
+    return acc
+
+
+@triton.jit
+def _projection_kernel(x, x_stride, res, res_stride, res_out, gate, gate_stride, norm_w, w, y, y_stride,
+                       partials, counters, M, N, K, K_SLICE, eps,
+                       PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr,
+                       DOT: tl.constexpr, GEMV: tl.constexpr, SPLIT: tl.constexpr, HEAD: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """y[:, BN columns] (or, split, one K slice's share of it) for all M rows."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    cols = pid_n * BN + tl.arange(0, BN)
+    c_mask = cols < N
+    k_lo = pid_s * K_SLICE
+    k_hi = tl.minimum(K, k_lo + K_SLICE)
+    src = (x, x_stride, res, res_stride, res_out, gate, gate_stride, norm_w)
+    write_res = pid_n == 0     # one column block writes x + residual, each K slice its part
+    w_rows = w + cols[:, None] * K
+    if GEMV:
+        acc = _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, w.dtype.element_ty,
+                          PROLOGUE, HAS_RES, SWISH, HEAD, BM, BN, BK)
+    else:
+        acc = _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, w.dtype.element_ty,
+                         PROLOGUE, HAS_RES, SWISH, HEAD, DOT, BM, BN, BK)
+    rows = tl.arange(0, BM)
+    out_mask = (rows < M)[:, None] & c_mask[None, :]
+    y_ptrs = y + rows[:, None] * y_stride + cols[None, :]
+    if SPLIT == 1:
+        tl.store(y_ptrs, acc.to(w.dtype.element_ty), mask=out_mask)
+    else:
+        _split_reduce(acc, partials, counters + pid_n, y_ptrs, rows[:, None] * N + cols[None, :], out_mask,
+                      pid_s, M * N, SPLIT)
+
+
+@triton.jit
+def _split_reduce(acc, partials, counter, y_ptrs, offs, out_mask, pid_s, plane, SPLIT: tl.constexpr):
+    """Publish this K slice's fp32 partial; the column block's last arriver sums all SPLIT
+    partials in slice order (fixed, so the bits do not depend on which program came last),
+    writes y and re-arms the counter for the next call. Nobody waits: fine in the interpreter,
+    which runs the programs one after another."""
+    tl.store(partials + pid_s * plane + offs, acc, mask=out_mask)
+    # every thread's partial is stored before one thread's release publishes the arrival
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT - 1:
+        # .cg: from L2, past this SM's L1, which other SMs' stores do not update
+        total = tl.load(partials + offs, mask=out_mask, other=0.0, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLIT):
+            total += tl.load(partials + s * plane + offs, mask=out_mask, other=0.0, cache_modifier=".cg")
+        tl.store(y_ptrs, total.to(y_ptrs.dtype.element_ty), mask=out_mask)
+        tl.store(counter, 0)       # the next launch is stream-ordered after this one
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    gemv: bool
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int | None = None
+
+
+def _split_parts(K: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """(slices actually used, columns a slice) for split_k slices of whole K blocks: a split
+    that would leave a slice empty is reduced, so every program has work."""
+    k_blocks = triton.cdiv(K, block_k)
+    per = triton.cdiv(k_blocks, max(1, min(split_k, k_blocks, MAX_SPLIT)))
+    return triton.cdiv(k_blocks, per), per * block_k
+
+
+def _gemv_warps(block_k: int, elem: int) -> int:
+    """Warps that give each thread one 16-byte load per weight row of a K block. Triton then
+    lays the input row [1, BK] out as it lays the weight tile (in ptxas-checked sm_90 builds);
+    with more warps the row gets 8-byte pieces, and the whole tile is converted to the row's
+    layout through shared memory on every step."""
+    return max(1, min(8, block_k * elem // 512))
+
+
+def _tiling(M: int, N: int, K: int, elem: int, head: int, sms: int, gemv: bool | None = None,
+            block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
+            num_stages: int | None = None, num_warps: int | None = None) -> Tiling:
+    """The caller's keywords, the rest chosen for a weight-streaming step: at least 2
+    programs an SM, each streaming 1 KB of each weight row a K step (GEMV: 8 rows for one
+    input row, 8 KB a tile and 64 fp32 accumulators a thread; 4 rows for two) or 512 B
+    (tl.dot: 16 rows, 8 KB), with the next tile in flight. Too few column blocks -> split K
+    while each slice keeps >= 2 K blocks (so the GEMV prefetch overlaps), then narrower GEMV
+    blocks, then single-block slices, then smaller K blocks (a small matrix is latency-bound:
+    more programs with less each beat fewer with more)."""
+    gemv = M <= MAX_GEMV_ROWS if gemv is None else gemv
+    kpow = triton.next_power_of_2(K)
+    bm = triton.next_power_of_2(M) if gemv else max(16, triton.next_power_of_2(M))
+    # the dot form's [BM, BK] fp32 prologue block stays at <= 32 registers a thread
+    bk = block_k or max(head, 16, min(kpow, 1024 // elem if gemv else min(512 // elem, 4096 // bm)))
+    bn = block_n or (max(4, 8 // bm) if gemv else 16)
+    min_bk = max(head, 512 // elem if gemv else 256 // elem)   # GEMV: one warp of 16-byte loads
+    split = split_k or 1
+    while split_k is None and triton.cdiv(N, bn) * split < 2 * sms:
+        k_blocks = triton.cdiv(K, bk)
+        if k_blocks >= 4 * split and split < MAX_SPLIT:
+            split *= 2
+        elif gemv and block_n is None and bn > 4:
+            bn //= 2
+        elif k_blocks >= 2 * split and split < MAX_SPLIT:
+            split *= 2
+        elif block_k is None and bk > min_bk:
+            bk //= 2
+        else:
+            break
+    # a whole 256-wide head at 64 rows (32 in fp32): the pipeliner buffers the prologue's
+    # [BM, BK] loads too, 232 KB of shared memory at 3 stages (over sm_90's 227 KB), and the
+    # block spills at 4 warps
+    big = not gemv and bm * bk * elem > 16384
+    warps = num_warps or (_gemv_warps(bk, elem) if gemv else 8 if big else 4)
+    stages = num_stages or (2 if big else None)
+    return Tiling(gemv, bn, bk, _split_parts(K, bk, split)[0], warps, stages)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def picked_tiling(M: int, N: int, K: int, dtype: torch.dtype, head: int = 0,
+                  device: torch.device | None = None) -> dict:
+    """The tiling a call with no tiling keywords runs, as keywords (for benchmark records)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    sms = _sm_count(torch.device(device)) if device is not None else DEFAULT_SMS
+    return dataclasses.asdict(_tiling(M, N, K, elem, head, sms))
+
+
+_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _scratch(device: torch.device, split: int, M: int, N: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K partials [SPLIT, M, N] fp32 and one arrival counter a column block, made once
+    a (shape, device) and kept for good: a captured CUDA graph holds their addresses, and
+    the counters are zeroed only here (each call leaves them at zero). Calls of one shape
+    share them, so they must not overlap in time (one stream, as the decoder runs). Made
+    on the first call, which the decoder's eager warm-up before a capture is; made inside a
+    capture instead, the zeroing is captured ahead of the kernel and holds once replayed."""
+    key = (device, split, M, N, n_blocks)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = (torch.empty(split * M * N, device=device, dtype=torch.float32),
+                         torch.zeros(n_blocks, device=device, dtype=torch.int32))
+    return _SCRATCH[key]
 
 
 def _dot_mode(dtype: torch.dtype) -> str:
@@ -125,39 +343,54 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _launch(prologue: str, x2, w, *, res=None, res_out=None, gate=None, norm_w=None, eps=0.0,
-            swish=True, block_k: int | None = None, block_n: int | None = None,
-            num_stages: int | None = None, gemv: bool = False) -> torch.Tensor:
-    M, N = x2.shape[0], w.shape[0]
-    K = w.shape[1]
+def _check(M: int, head: int, t: Tiling) -> None:
     if M > MAX_ROWS:
         raise ValueError(f"{M} rows: the fused projection takes at most {MAX_ROWS}")
+    if t.gemv and M > MAX_GEMV_ROWS:
+        raise ValueError(f"{M} rows: the GEMV form takes at most {MAX_GEMV_ROWS}")
+    if head and t.block_k % head:
+        raise ValueError(f"block_k {t.block_k}: the gated norm's K block is whole heads of {head}")
+    if triton.next_power_of_2(t.block_k) != t.block_k or triton.next_power_of_2(t.block_n) != t.block_n:
+        raise ValueError(f"block_k {t.block_k}, block_n {t.block_n}: powers of two")
+    if not t.gemv and min(t.block_k, t.block_n) < 16:
+        raise ValueError(f"block_k {t.block_k}, block_n {t.block_n}: tl.dot takes 16 at least")
+
+
+def _launch(prologue: str, x2: torch.Tensor, w: torch.Tensor, *, res: torch.Tensor | None = None,
+            res_out: torch.Tensor | None = None, gate: torch.Tensor | None = None,
+            norm_w: torch.Tensor | None = None, eps: float = 0.0, swish: bool = True, head: int = 0,
+            block_k: int | None = None, block_n: int | None = None, num_stages: int | None = None,
+            gemv: bool | None = None, split_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """y = prologue(x2) @ w.T for x2 [M, K*] and w [N, K]; tiling keywords left None are
+    chosen by `_tiling` (head: the gated norm's head width, 0 for the others)."""
+    M, (N, K) = x2.shape[0], w.shape
     if not w.is_contiguous():
         raise ValueError("the weight must be contiguous [N, K]")
+    t = _tiling(M, N, K, w.element_size(), head, _sm_count(w.device), gemv, block_n, block_k, split_k,
+                num_stages, num_warps)
+    _check(M, head, t)
+    BM = triton.next_power_of_2(M) if t.gemv else max(16, triton.next_power_of_2(M))
+    split, k_slice = _split_parts(K, t.block_k, t.split_k)
+    n_blocks = triton.cdiv(N, t.block_n)
     y = torch.empty(M, N, device=x2.device, dtype=w.dtype)
-    # tl.dot takes 16 rows at least; the GEMV form holds [BM, BN, BK] products, so a row or two
-    BM = triton.next_power_of_2(M) if gemv else max(16, triton.next_power_of_2(M))
-    if gemv and BM > MAX_GEMV_ROWS:
-        raise ValueError(f"{M} rows: the GEMV form takes at most {MAX_GEMV_ROWS}")
-    BK = block_k or min(128, max(16, triton.next_power_of_2(K)))
-    # one program per BN columns streams BN x K weights: narrow blocks keep more SMs busy (there
-    # is no split-K, so a GDN-1.3B-width matrix still loads each program with ~180 KB)
-    BN = block_n or (16 if N < 4096 else 32)
-    dummy = y
-    options = {"num_warps": 4} if num_stages is None else {"num_warps": 4, "num_stages": num_stages}
-    _projection_kernel[(triton.cdiv(N, BN),)](
-        x2, x2.stride(0), res if res is not None else dummy, res.stride(0) if res is not None else 0,
-        res_out if res_out is not None else dummy, gate if gate is not None else dummy,
-        gate.stride(0) if gate is not None else 0, norm_w if norm_w is not None else dummy, w, y, y.stride(0),
-        M, N, K, eps, PROLOGUE=PROLOGUES[prologue], HAS_RES=res is not None, SWISH=swish,
-        DOT=_dot_mode(w.dtype), GEMV=gemv, BM=BM, BN=BN, BK=BK, **options)
+    partials, counters = _scratch(w.device, split, M, N, n_blocks) if split > 1 else (y, y)
+    options = {"num_warps": t.num_warps}
+    if t.num_stages is not None:
+        options["num_stages"] = t.num_stages
+    _projection_kernel[(n_blocks, split)](
+        x2, x2.stride(0), res if res is not None else y, res.stride(0) if res is not None else 0,
+        res_out if res_out is not None else y, gate if gate is not None else y,
+        gate.stride(0) if gate is not None else 0, norm_w if norm_w is not None else y, w, y, y.stride(0),
+        partials, counters, M, N, K, k_slice, eps, PROLOGUE=PROLOGUES[prologue], HAS_RES=res is not None,
+        SWISH=swish, DOT=_dot_mode(w.dtype), GEMV=t.gemv, SPLIT=split, HEAD=max(head, 1),
+        BM=BM, BN=t.block_n, BK=t.block_k, **options)
     return y
 
 
 def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, residual: torch.Tensor | None,
                 w: torch.Tensor, **blocks) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) @ w.T, x + residual) for x [..., K], w [N, K]. `blocks`
-    (block_k, block_n, num_stages, gemv) override the kernel's tiling, for benchmarks."""
+    (block_k, block_n, num_stages, gemv, split_k) override the kernel's tiling."""
     x2 = _rows(x)
     res2 = _rows(residual) if residual is not None else None
     summed = torch.empty_like(x2) if residual is not None else x2
@@ -169,17 +402,18 @@ def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, residual: tor
 def gated_norm_linear(o: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor, eps: float,
                       activation: str, w: torch.Tensor, **blocks) -> torch.Tensor:
     """(rms_norm over each head of o [..., H, V], times act(gate) [..., H*V]) @ w.T. `blocks`
-    (block_n, num_stages, gemv) override the tiling; the K block is always the head width."""
+    (block_k, block_n, num_stages, gemv, split_k) override the tiling; block_k must be a
+    multiple of the head width V."""
     V = o.shape[-1]
     if triton.next_power_of_2(V) != V or V < 16:
         raise ValueError(f"head width {V}: the fused gated norm takes powers of two from 16")
     o2 = _rows(o.reshape(*o.shape[:-2], -1))
     y = _launch("gated_norm", o2, w, gate=_rows(gate), norm_w=norm_w, eps=eps,
-                swish=activation in ("swish", "silu"), block_k=V, **blocks)
+                swish=activation in ("swish", "silu"), head=V, **blocks)
     return y.view(*o.shape[:-2], -1)
 
 
 def swiglu_linear(gate_up: torch.Tensor, w: torch.Tensor, **blocks) -> torch.Tensor:
-    """(silu(gate_up[..., :I]) * gate_up[..., I:]) @ w.T for w [N, I]."""
+    """(silu(gate_up[..., :I]) * gate_up[..., I:]) @ w.T for w [N, I]; `blocks` as above."""
     y = _launch("swiglu", _rows(gate_up), w, **blocks)
     return y.view(*gate_up.shape[:-1], -1)

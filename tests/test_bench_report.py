@@ -253,7 +253,8 @@ def test_launch_counts_profiles_the_oracle_step_of_another_model(tmp_path, one_t
 def test_the_projection_sweep_covers_each_fused_projection_of_both_models():
     """bench_kernels.py's projection section (GPU only) on the CPU: the shapes it sweeps are the
     packed layer's, its inputs go through the op sets' own projection calls, and its tilings
-    include the kernel's default and the widest K block."""
+    include the kernel's default, the widest K block, whole heads for the gated norm, the GEMV
+    form for one row only, split-K for the long-K projections, and stay few enough to time."""
     import torch
 
     from benchmarks import bench_kernels as bk
@@ -275,9 +276,15 @@ def test_the_projection_sweep_covers_each_fused_projection_of_both_models():
             else:
                 want = ref.swiglu_linear_ref(i["gate_up"], i["w"])
             assert got.shape == (3, N) and torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
-            tilings = bk.projection_tilings(prologue, K, quick=False)
-            assert {"block_n": 16, "num_stages": 3} in [{k: t.get(k) for k in ("block_n", "num_stages")} for t in tilings]
-            if prologue != "gated_norm":
-                assert max(t["block_k"] for t in tilings) == min(512, 1 << (K - 1).bit_length())
-            assert any(t.get("gemv") for t in tilings) and not any(
-                t.get("gemv") for t in bk.projection_tilings(prologue, K, quick=False, M=9))
+            head = config.head_v_dim if prologue == "gated_norm" else 0
+            for M in (1, 9):
+                tilings = bk.projection_tilings(prologue, K, quick=False, M=M, head=head)
+                quick = bk.projection_tilings(prologue, K, quick=True, M=M, head=head)
+                assert tilings[0] == {} == quick[0] and len(tilings) <= 60 and len(quick) <= 15
+                dots = [t for t in tilings[1:] if not t["gemv"]]
+                assert {"block_n": 16, "num_stages": 3} in [{k: t[k] for k in ("block_n", "num_stages")} for t in dots]
+                assert max(t["block_k"] for t in dots) == min(256, max(head, 1 << (K - 1).bit_length()))
+                assert all(t["block_k"] % max(head, 1) == 0 for t in tilings[1:])
+                assert any(t["gemv"] for t in tilings[1:]) == (M == 1)
+                if K >= 1024:           # the down projections: few columns, a long K
+                    assert any(t["split_k"] > 1 for t in dots) and any(t["split_k"] > 1 for t in quick[1:])

@@ -86,7 +86,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check_verify(mode: str, parents: list[int], B: int, H: int, K: int, V: int, P: int,
-                 device, seed: int = 0, block_v: int | None = None) -> list[str]:
+                 device, seed: int = 0, block_v: int | None = None,
+                 o_dtype: torch.dtype = torch.float32, **options) -> list[str]:
     """Run one kernel call against its reference; returns a list of problems (empty = ok)."""
     from kernels import triton_verify
     N = len(parents)
@@ -102,17 +103,22 @@ def check_verify(mode: str, parents: list[int], B: int, H: int, K: int, V: int, 
         o_ref, d_ref = reference.VERIFY_REFERENCES[mode](*args, torch.tensor(parents))
 
     S = x["S0"].clone()
-    out = tuple(torch.full((B, N, H, V), float("nan"), device=device) for _ in range(2))
+    # o may be stored rounded to the model's dtype: then it is within that dtype's rounding
+    out = (torch.full((B, N, H, V), float("nan"), device=device, dtype=o_dtype),
+           torch.full((B, N, H, V), float("nan"), device=device))
     o, d = triton_verify.verify(mode, x["q"], x["k"], x["v"], x["g"], x["beta"], S, topo,
-                                pending=pending, out=out, block_v=block_v)
+                                pending=pending, out=out, block_v=block_v, **options)
     problems = []
-    for name, got, want in (("o", o, o_ref), ("delta", d, d_ref), ("state", S, S_ref)):
+    if o.dtype != o_dtype:
+        problems.append(f"o: {o.dtype}, not the {o_dtype} buffer it was given")
+    o_tol = RTOL if o_dtype == torch.float32 else 1e-2
+    for name, got, want, tol in (("o", o, o_ref, o_tol), ("delta", d, d_ref, RTOL), ("state", S, S_ref, RTOL)):
         if not torch.isfinite(got).all():
             problems.append(f"{name}: {int((~torch.isfinite(got)).sum())} elements unwritten/non-finite")
             continue
         err = rel_err(got, want)
-        if not err < RTOL:
-            problems.append(f"{name}: relative error {err:.2e} >= {RTOL:.0e}")
+        if not err < tol:
+            problems.append(f"{name}: relative error {err:.2e} >= {tol:.0e}")
     if pending is None and not torch.equal(S.cpu(), cpu["S0"]):
         problems.append("state: written although no pending commit was given")
     return problems
@@ -180,7 +186,9 @@ def check_projection(prologue: str, M: int, K: int, N: int, dtype, device, seed:
                      heads: int = 2, **blocks) -> list[str]:
     """One fused projection against its reference, with the inputs laid out as the runtime
     passes them (the gate a strided column slice of a wider projection); `blocks` pick the
-    kernel's tiling (the GEMV form, say)."""
+    kernel's tiling (the GEMV form, split-K, say). Each call runs twice and must give the same
+    bits both times (split-K sums its partials in a fixed order; a CUDA-graph replay is
+    compared with an eager run token for token)."""
     from kernels import triton_projection as tp
     gen = torch.Generator().manual_seed(seed)
 
@@ -191,43 +199,62 @@ def check_projection(prologue: str, M: int, K: int, N: int, dtype, device, seed:
     norm_w = rnd(K if prologue == "norm" else K // heads, scale=0.1) + 1
     if prologue == "norm":
         x, res = rnd(1, M, K), rnd(1, M, K)
-        got = [*tp.norm_linear(x, norm_w, 1e-6, res, w, **blocks), tp.norm_linear(x, norm_w, 1e-6, None, w, **blocks)[0]]
+        run = lambda: [*tp.norm_linear(x, norm_w, 1e-6, res, w, **blocks),  # noqa: E731
+                       tp.norm_linear(x, norm_w, 1e-6, None, w, **blocks)[0]]
         want = [*reference.norm_linear_ref(x.cpu(), norm_w.cpu(), 1e-6, res.cpu(), w.cpu()),
                 reference.norm_linear_ref(x.cpu(), norm_w.cpu(), 1e-6, None, w.cpu())[0]]
     elif prologue == "gated_norm":
         o = torch.randn(1, M, heads, K // heads, generator=gen).to(device)            # fp32, as the recurrence gives it
         wide = rnd(1, M, K + 7)
         gate = wide[..., 3:3 + K]
-        got = [tp.gated_norm_linear(o, gate, norm_w, 1e-6, "swish", w, **blocks),
-               tp.gated_norm_linear(o, gate, norm_w, 1e-6, "sigmoid", w, **blocks)]
+        run = lambda: [tp.gated_norm_linear(o, gate, norm_w, 1e-6, act, w, **blocks)  # noqa: E731
+                       for act in ("swish", "sigmoid")]
         want = [reference.gated_norm_linear_ref(o.cpu(), gate.cpu(), norm_w.cpu(), 1e-6, act, w.cpu())
                 for act in ("swish", "sigmoid")]
     else:
         gu = rnd(1, M, 2 * K)
-        got, want = [tp.swiglu_linear(gu, w, **blocks)], [reference.swiglu_linear_ref(gu.cpu(), w.cpu())]
+        run = lambda: [tp.swiglu_linear(gu, w, **blocks)]  # noqa: E731
+        want = [reference.swiglu_linear_ref(gu.cpu(), w.cpu())]
+    got, again = run(), run()
     # fp32: rounding only; bf16: every op's output is rounded to bf16 (one ulp is 2^-8). Triton's
     # CPU interpreter truncates fp32 -> bf16 instead of rounding to nearest (checked: its casts
     # equal a mask of the low 16 bits), which biases the gated norm's four roundings by ~1.3%
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     tol = RTOL if dtype == torch.float32 else 2e-2 if interpreted else 1e-2
-    return [f"output {i}: relative error {rel_err(g, r):.2e}" for i, (g, r) in enumerate(zip(got, want))
-            if not (g.shape == r.shape and rel_err(g, r) < tol)]
+    problems = [f"output {i}: relative error {rel_err(g, r):.2e}" for i, (g, r) in enumerate(zip(got, want))
+                if not (g.shape == r.shape and rel_err(g, r) < tol)]
+    return problems + [f"output {i}: a second call gave other bits" for i, (g, a) in enumerate(zip(got, again))
+                       if not torch.equal(g, a)]
 
 
 PROJECTION_CASES = [("norm", 1, 384, 1548), ("norm", 9, 384, 2048), ("norm", 64, 2048, 512),
-                    ("gated_norm", 1, 384, 384), ("gated_norm", 17, 2048, 2048),
-                    ("swiglu", 1, 1024, 384), ("swiglu", 16, 5632, 2048)]
+                    ("norm", 1, 2048, 8208), ("norm", 2, 2048, 8208),
+                    ("gated_norm", 1, 384, 384), ("gated_norm", 1, 2048, 2048), ("gated_norm", 17, 2048, 2048),
+                    ("swiglu", 1, 1024, 384), ("swiglu", 9, 1024, 384), ("swiglu", 1, 5632, 2048),
+                    ("swiglu", 16, 5632, 2048)]
+
+
+def projection_test_tilings(M: int) -> list[dict]:
+    """The default tiling and, around it, the GEMV form (a row or two: several heads a K
+    block, narrow and wide N blocks, split-K) and the tl.dot form with and without split-K;
+    256-column K blocks are whole heads at both models' head widths (64 and 256)."""
+    tilings = [{}, {"gemv": False, "split_k": 1}, {"gemv": False, "split_k": 4}]
+    if M <= 2:
+        tilings += [{"gemv": True, "split_k": 1}, {"gemv": True, "split_k": 4, "block_n": 4},
+                    {"gemv": True, "block_k": 256, "block_n": 8 // M, "split_k": 2}]
+    return tilings
 
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("prologue,M,K,N", PROJECTION_CASES, ids=lambda x: str(x))
 def test_projection_matches_reference(prologue, M, K, N, dtype):
-    """At the embedded model's and the GDN-1.3B shape's widths (heads of 64 and 256)."""
+    """At the embedded model's and the GDN-1.3B shape's widths (heads of 64 and 256), each
+    tiling of `projection_test_tilings`."""
     heads = 6 if K == 384 else 8
-    assert not check_projection(prologue, M, K, N, dtype, "cuda", seed=M + K, heads=heads)
-    if M == 1:
-        assert not check_projection(prologue, M, K, N, dtype, "cuda", seed=M + K, heads=heads, gemv=True)
+    for blocks in projection_test_tilings(M):
+        problems = check_projection(prologue, M, K, N, dtype, "cuda", seed=M + K, heads=heads, **blocks)
+        assert not problems, (blocks, problems)
 
 
 HEAD_SHAPES = {  # name: (HeadConfig fields, slots, top_k, vocab)
@@ -384,9 +411,31 @@ def test_block_v_override(mode, block_v):
 
 
 @needs_cuda
+@pytest.mark.parametrize("mode", ["chain", "tree", "hybrid"])
+def test_outputs_rounded_to_bf16(mode):
+    """o stored straight into a bf16 buffer (what the runtime's output norm reads)."""
+    parents = chain(9) if mode == "chain" else random_tree(9, seed=1)
+    assert not check_verify(mode, parents, 1, 8, 256, 256, 4, "cuda", seed=3, o_dtype=torch.bfloat16)
+
+
+@needs_cuda
+@pytest.mark.parametrize("warps", [1, 2, 4])
+@pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("mode,H,K,V,P", [("chain", 8, 256, 256, 9), ("chain", 6, 64, 64, 9),
+                                           ("chain", 6, 64, 64, 20), ("hybrid", 8, 256, 256, 3)],
+                         ids=lambda x: str(x))
+def test_walk_orientations(mode, H, K, V, P, v_first, warps):
+    """Both tile orientations of the walk kernel, at the 1.3B and the embedded head shapes,
+    with a deferred commit of P factors folded in (P=20: two blocks of the fold)."""
+    parents = chain(9) if mode == "chain" else deep_narrow(12)
+    assert not check_verify(mode, parents, 1, H, K, V, P, "cuda", seed=P + warps, block_v=16,
+                            num_warps=warps, v_first=v_first)
+
+
+@needs_cuda
 @pytest.mark.parametrize("B,H,K,V", [(1, 8, 256, 256), (2, 6, 64, 64), (2, 2, 16, 32)],
                          ids=lambda x: str(x))
-@pytest.mark.parametrize("T", [0, 1, 2, 4, 8, 16], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("T", [0, 1, 2, 4, 8, 16, 17, 64], ids=lambda t: f"T{t}")
 def test_commit_matches_reference(T, B, H, K, V):
     assert not check_commit(B, T, H, K, V, "cuda", seed=T)
 
@@ -561,6 +610,20 @@ def test_bad_inputs_raise():
 # CPU: Triton's interpreter, tiny shapes, one subprocess per group
 # ---------------------------------------------------------------------------------------
 
+# (M, K, N, tiling) at tiny widths, the gated norm's heads 16 wide: the GEMV form with several
+# heads a K block and two K steps (the prefetch), two rows, a half-masked last block, split-K
+# into 2 and 4 slices for the GEMV and tl.dot forms, 4 asked of 3 K blocks (3 slices run)
+PROJECTION_TILING_CASES = [
+    (1, 128, 40, dict(gemv=True, block_k=64, block_n=4)),
+    (2, 96, 40, dict(gemv=True, block_k=64, block_n=8, split_k=2)),
+    (2, 96, 40, dict()),
+    (1, 128, 40, dict(gemv=True, block_k=32, block_n=16, split_k=4)),
+    (9, 128, 40, dict(gemv=False, block_k=32, split_k=2)),
+    (9, 128, 33, dict(gemv=False, block_k=32, block_n=16, split_k=4)),
+    (9, 96, 40, dict(gemv=False, block_k=32, split_k=4)),
+]
+
+
 def interpreter_cases(group: str):
     """(description, callable returning problems) for one group, at tiny shapes."""
     dev = "cpu"
@@ -594,23 +657,36 @@ def interpreter_cases(group: str):
                     if M == 1:
                         yield (f"projection-gemv-{prologue}-K{K}-N{N}-{dtype}",
                                lambda a=(prologue, M, K, N, dtype): check_projection(*a, dev, seed=2, gemv=True))
+            for M, K, N, blocks in PROJECTION_TILING_CASES:
+                for dtype in (torch.float32, torch.bfloat16):
+                    tiling = "-".join(f"{k}{v}" for k, v in blocks.items()) or "default"
+                    yield (f"projection-{prologue}-M{M}-K{K}-N{N}-{tiling}-{dtype}",
+                           lambda a=(prologue, M, K, N, dtype), b=blocks: check_projection(
+                               *a, dev, seed=a[1] + a[2], heads=a[2] // 16, **b))
         return
     if group == "commit":
-        for T in (0, 1, 5):
+        for T in (0, 1, 5, 16, 37):      # 37: three blocks of the fold
             yield f"commit-T{T}-H2-K16-V32", lambda T=T: check_commit(2, T, 2, 16, 32, dev, seed=T)
         return
     if group in ("tree", "hybrid"):
         yield f"{group}-N9-H2-K16-V16-swap", lambda: check_tree_swap(group, dev)
+    parents = chain(9) if group == "chain" else random_tree(8, seed=3)
+    yield (f"{group}-N{len(parents)}-H2-K16-V32-o-bf16",
+           lambda: check_verify(group, parents, 2, 2, 16, 32, 3, dev, seed=11, o_dtype=torch.bfloat16))
     topologies = [("chain", chain(1)), ("chain", chain(2)), ("chain", chain(9))]
     if group != "chain":
         topologies += [("wide", wide_shallow(9, width=3)), ("deep", deep_narrow(9)),
                        ("random", random_tree(8, seed=3)), ("forest", forest(7))]
+    # the walk's two tile orientations; P=20 folds a pending commit in two blocks
+    orientations = (False, True) if group != "tree" else (None,)
     for name, parents in topologies:
-        for P in (0, 3):
+        for P in (0, 3, 20):
             for K, V in ((16, 16), (16, 32)):
-                yield (f"{group}-N{len(parents)}-H2-K{K}-V{V}-{name}-P{P}",
-                       lambda parents=parents, P=P, K=K, V=V: check_verify(
-                           group, parents, 2, 2, K, V, P, dev, seed=len(parents) * 10 + P))
+                for v_first in orientations:
+                    yield (f"{group}-N{len(parents)}-H2-K{K}-V{V}-{name}-P{P}-v_first={v_first}",
+                           lambda parents=parents, P=P, K=K, V=V, v_first=v_first: check_verify(
+                               group, parents, 2, 2, K, V, P, dev, seed=len(parents) * 10 + P,
+                               **({} if v_first is None else {"v_first": v_first})))
 
 
 def check_tree_swap(mode: str, device, H: int = 2, K: int = 16, V: int = 16) -> list[str]:
