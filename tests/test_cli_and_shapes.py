@@ -68,3 +68,17 @@ def test_bad_input_is_a_one_line_error(args, message, capsys):
     code, _, err = run_cli(args + ["--device", "cpu"], capsys)
     assert code == 2
     assert err.startswith("error:") and message in err
+
+
+def test_fused_projections_route_by_rows_and_matrix_size():
+    """FusedOps fuses one or two rows at any width, several rows only for small matrices (the
+    embedded model's), and never more rows than its kernel holds."""
+    from specla.graphs.ops import MAX_DOT_WEIGHTS, fused_projection_fits
+
+    embedded_up, gdn_1p3b_in = 2048 * 384, 8208 * 2048
+    assert embedded_up <= MAX_DOT_WEIGHTS < gdn_1p3b_in
+    assert fused_projection_fits(1, gdn_1p3b_in, 64, 2)
+    assert fused_projection_fits(2, gdn_1p3b_in, 64, 2)
+    assert not fused_projection_fits(9, gdn_1p3b_in, 64, 2)
+    assert fused_projection_fits(9, embedded_up, 64, 2)
+    assert not fused_projection_fits(65, embedded_up, 64, 2)

@@ -237,8 +237,9 @@ class FusedOps(FlaOps):
     """FlaOps with each projection and the op in front of it in one Triton kernel
     (`kernels/triton_projection.py`): residual add + RMSNorm into the input and MLP
     projections, the gated norm into the output projection, SwiGLU into the down projection.
-    Four fewer launches per layer; rows beyond the kernel's limit (long prefill chunks) and
-    shapes it does not take use FlaOps' separate kernels."""
+    Four fewer launches per layer; rows beyond the kernel's limit (long prefill chunks), several
+    rows of a large matrix (`fused_projection_fits`) and shapes it does not take use FlaOps'
+    separate kernels."""
     name = "fused"
 
     def __init__(self):
@@ -246,24 +247,37 @@ class FusedOps(FlaOps):
         from kernels import triton_projection
         self._projection = triton_projection
 
-    def _fits(self, x) -> bool:
-        return x.is_cuda and x.numel() // x.shape[-1] <= self._projection.MAX_ROWS
+    def _fits(self, x, w) -> bool:
+        rows = x.numel() // x.shape[-1]
+        return x.is_cuda and fused_projection_fits(rows, w.numel(), self._projection.MAX_ROWS,
+                                                   self._projection.MAX_GEMV_ROWS)
 
     def norm_linear(self, x, weight, eps, residual, w):
-        if not self._fits(x):
+        if not self._fits(x, w):
             return super().norm_linear(x, weight, eps, residual, w)
         return self._projection.norm_linear(x, weight, eps, residual, w)
 
     def gated_norm_linear(self, o, gate, weight, eps, activation, w):
         V = o.shape[-1]
-        if gate is None or not self._fits(gate) or V < 16 or V & (V - 1):
+        if gate is None or not self._fits(gate, w) or V < 16 or V & (V - 1):
             return super().gated_norm_linear(o, gate, weight, eps, activation, w)
         return self._projection.gated_norm_linear(o, gate, weight, eps, activation, w)
 
     def swiglu_linear(self, gate_up, w):
-        if not self._fits(gate_up):
+        if not self._fits(gate_up, w):
             return super().swiglu_linear(gate_up, w)
         return self._projection.swiglu_linear(gate_up, w)
+
+
+# Above this many weights, rows beyond the GEMV form go to cuBLAS: at the GDN-1.3B widths the
+# fused tl.dot form took 30 us a projection for a 9-node verify against cuBLAS's ~13, while
+# the GEMV form for one row matched cuBLAS + the norm kernel (H200, session 10's launch counts).
+MAX_DOT_WEIGHTS = 1 << 22
+
+
+def fused_projection_fits(rows: int, weights: int, max_rows: int, max_gemv_rows: int) -> bool:
+    """Whether FusedOps runs a projection of `rows` rows and `weights` weights fused."""
+    return rows <= max_gemv_rows or (rows <= max_rows and weights <= MAX_DOT_WEIGHTS)
 
 
 def check_ops(ops: TorchOps, config: GDNConfig, device, dtype, seed: int = 0) -> list[str]:
