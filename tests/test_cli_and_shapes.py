@@ -82,3 +82,16 @@ def test_fused_projections_route_by_rows_and_matrix_size():
     assert not fused_projection_fits(9, gdn_1p3b_in, 64, 2)
     assert fused_projection_fits(9, embedded_up, 64, 2)
     assert not fused_projection_fits(65, embedded_up, 64, 2)
+
+
+def test_auto_ops_fuse_the_projections_of_narrow_targets_only():
+    """"auto" on CUDA: the fused projections for the launch-bound embedded width, fla's
+    kernels at the GDN-1.3B width (where the fused step is not measured faster); torch ops on
+    the CPU. Device names only: no GPU needed."""
+    from specla.config import PUBLIC_1P3B
+    from specla.graphs.ops import auto_ops_name
+
+    embedded = GDNConfig(vocab_size=4096, hidden_size=384, num_hidden_layers=6, num_heads=6, head_dim=64)
+    assert auto_ops_name(embedded, "cuda") == "fused"
+    assert auto_ops_name(PUBLIC_1P3B, "cuda") == "fla"
+    assert auto_ops_name(embedded, "cpu") == auto_ops_name(PUBLIC_1P3B, "cpu") == "torch"

@@ -119,8 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline", type=float, default=None,
                    help="seconds; no new variant starts after this (default: 520 on CUDA, none on CPU)")
     p.add_argument("--ops", choices=("auto", "fla", "fused", "torch"), default="auto",
-                   help="per-layer ops of our runtime (auto: fla's fused kernels on CUDA; fused: those "
-                        "plus the projections with their norms and SwiGLU folded in)")
+                   help="per-layer ops of our runtime (fla: fla's fused kernels on CUDA; fused: those "
+                        "plus the projections with their norms and SwiGLU folded in; auto: fused for "
+                        "narrow targets such as the embedded model, fla for wide ones)")
     p.add_argument("--recurrence", choices=("kernels", "torch"), default="kernels",
                    help="verifier inside the speculative graphs (kernels: kernels/triton_verify)")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",

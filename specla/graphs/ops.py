@@ -2,8 +2,10 @@
 
 `TorchOps` is plain torch, operation for operation what `specla.model` computes (the CPU
 path, and the reference every fused op is checked against); `FlaOps` runs fla's fused Triton
-kernels and this project's fused conv + gates kernel on CUDA. `make_ops` picks one after
-checking it against `TorchOps` on random data.
+kernels and this project's fused conv + gates kernel on CUDA; `FusedOps` also folds the norms
+and SwiGLU into the projections (`kernels/triton_projection.py`). `make_ops` picks one after
+checking it against `TorchOps` on random data: "auto" takes `FusedOps` for narrow,
+launch-bound targets and `FlaOps` for wide ones.
 """
 from __future__ import annotations
 
@@ -368,30 +370,57 @@ def check_ops(ops: TorchOps, config: GDNConfig, device, dtype, seed: int = 0) ->
     return failures
 
 
+# "auto" fuses the projections for targets up to this width. The embedded model (384 wide) is
+# launch-bound: fused, its AR step went from 69 launches and 0.168 ms/token to 45 and 0.113
+# (H200, one run, benchmarks/results/h200/session10/). At the GDN-1.3B width the fused step's
+# kernel time equalled fla + cuBLAS, its wall time is not measured yet: fla's kernels stay.
+FUSED_AUTO_MAX_HIDDEN = 1024
+
+
+def auto_ops_name(config: GDNConfig, device) -> str:
+    """What "auto" resolves to: torch ops off CUDA, fused projections for narrow targets, fla."""
+    if torch.device(device).type != "cuda":
+        return "torch"
+    return "fused" if config.hidden_size <= FUSED_AUTO_MAX_HIDDEN else "fla"
+
+
 def make_ops(name: str, config: GDNConfig, device, dtype) -> tuple[TorchOps, str]:
     """The op set for `name` (auto | fla | fused | torch) and a note saying what was chosen
-    and why. auto is fla's kernels on CUDA: the fused projections wait for their H200
-    measurement before they become anyone's default."""
+    and why (`auto_ops_name` picks for auto; an auto choice that fails its check falls back
+    to fla's kernels, then to torch ops)."""
     device = torch.device(device)
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
+    wanted = auto_ops_name(config, device) if name == "auto" else name
+    if wanted == "torch":
         return TorchOps(), "torch ops" + ("" if name == "torch" else " (no CUDA)")
     try:
-        ops = FusedOps() if name == "fused" else FlaOps()
-        # the in-place launch of fla's recurrent kernel must match fla's own wrapper
-        probe = check_ops(ops, config, device, dtype)
-        if any(f.startswith("recurrent") for f in probe):
-            ops.inplace_recurrent = False
-            probe = check_ops(ops, config, device, dtype)
-        if any(f.startswith("conv_gates") for f in probe):
-            ops.fused_conv_gates = False
-            probe = check_ops(ops, config, device, dtype)
-        if probe:
-            raise RuntimeError("; ".join(probe))
-        note = ("fla fused kernels" + ("" if ops.inplace_recurrent else " (recurrent state copied back)")
-                + ("" if ops.fused_conv_gates else " (conv + gates unfused: its kernel failed its check)")
-                + (" + fused projections (norm, gated norm, SwiGLU inside the projection)" if name == "fused" else ""))
-        return ops, note
-    except Exception as err:  # noqa: BLE001 - any failure means: use the plain-torch ops
-        if name in ("fla", "fused"):
+        return _checked_ops(wanted, config, device, dtype)
+    except Exception as err:  # noqa: BLE001 - any failure means: the next simpler op set
+        if name != "auto":
             raise
-        return TorchOps(), f"torch ops (fla kernels unusable: {type(err).__name__}: {err})"
+        why = f"{type(err).__name__}: {err}"
+    if wanted == "fused":
+        try:
+            ops, note = _checked_ops("fla", config, device, dtype)
+            return ops, f"{note} (fused projections unusable: {why})"
+        except Exception as err:  # noqa: BLE001
+            why = f"{type(err).__name__}: {err}"
+    return TorchOps(), f"torch ops (fla kernels unusable: {why})"
+
+
+def _checked_ops(name: str, config: GDNConfig, device, dtype) -> tuple[TorchOps, str]:
+    """FlaOps or FusedOps, checked against TorchOps on random data (raises if it fails)."""
+    ops = FusedOps() if name == "fused" else FlaOps()
+    # the in-place launch of fla's recurrent kernel must match fla's own wrapper
+    probe = check_ops(ops, config, device, dtype)
+    if any(f.startswith("recurrent") for f in probe):
+        ops.inplace_recurrent = False
+        probe = check_ops(ops, config, device, dtype)
+    if any(f.startswith("conv_gates") for f in probe):
+        ops.fused_conv_gates = False
+        probe = check_ops(ops, config, device, dtype)
+    if probe:
+        raise RuntimeError("; ".join(probe))
+    note = ("fla fused kernels" + ("" if ops.inplace_recurrent else " (recurrent state copied back)")
+            + ("" if ops.fused_conv_gates else " (conv + gates unfused: its kernel failed its check)")
+            + (" + fused projections (norm, gated norm, SwiGLU inside the projection)" if name == "fused" else ""))
+    return ops, note
