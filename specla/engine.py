@@ -352,7 +352,7 @@ class Engine:
                                          capacity=capacity + 4 * P + 16, device=self.device, seed=0)
             spec = GraphedSpec(self.packed, state, tree, mode=settings.mode, deferred=settings.deferred,
                                oracle=device_oracle, use_graph=self.use_graph, recurrence=self.recurrence,
-                               compile=self.compile_drafter and self.use_graph)
+                               compile=self.compile_drafter)
             ar = GraphedAR(self.packed, max_len=capacity + 4 * P + 16, use_graph=self.use_graph)
             run = self._decoders[key] = {"spec": spec, "ar": ar, "capacity": capacity + 2 * P + 8}
             self._evict()

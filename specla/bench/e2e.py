@@ -205,7 +205,7 @@ def e2e_oracle_gpu(args, res: Results, deadline: Deadline) -> dict:
                               device=args.device, seed=args.seed)
         # acceptance compiled as the engine's oracle and device drafters have it
         spec = GraphedSpec(rt, state, tree, mode="auto", deferred=deferred, oracle=oracle,
-                           recurrence=args.recurrence, compile=args.device == "cuda")
+                           recurrence=args.recurrence, compile=args.device.type == "cuda")
         for alpha in alphas_here:
             if not deadline.ok(20):
                 out["rows"].append({"name": name, "alpha": alpha, "skipped": "deadline"})
