@@ -352,8 +352,10 @@ class Bench:
                 for bv in (16, 32, 64):
                     for warps in (1, 2, 4, 8):
                         for v_first in (False, True):
-                            if bv > value or (warps > 1 and key * bv // warps < 256):
-                                continue          # a tile too small to split that far
+                            # a tile too small to split that far, or over 128 floats a thread
+                            # (those spill: 0.4-1.2 ms a layer at the 1.3B shape, session 10)
+                            if bv > value or key * bv // warps > 4096 or (warps > 1 and key * bv // warps < 256):
+                                continue
                             self.run("chain_sweep", lambda l, bv=bv, warps=warps, v_first=v_first: tv.verify(
                                 "chain", *args, states[l], topo, pending=folded, block_v=bv,
                                 num_warps=warps, v_first=v_first),

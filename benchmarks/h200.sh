@@ -6,7 +6,8 @@
 # Stages: tests (pytest -m gpu), kernel-tests (tests/test_kernels.py on the GPU), runtime, kernels, e2e, e2e-quick,
 # app (benchmarks/app_vs_bench.py: the real app over HTTP against the bench's rows; options in APP_ARGS,
 # cases named without spaces, e.g. --cases block_chain,lilicorr_best-first_16), launch-counts (kernels per step body),
-# projection-sweep (benchmarks/bench_kernels.py --only projection); issue #16's per-kernel profile at the 1.3B shape:
+# projection-sweep (benchmarks/bench_kernels.py --only projection), ops-compare (fla against the fused projections,
+# embedded and 1.3B, with the embedded pair's speed on held-out prompts); issue #16's per-kernel profile at the 1.3B shape:
 #   LAUNCH_ARGS="--model gdn-1.3b-random --budget 8" bash benchmarks/h200.sh launch-counts,
 # speedup (run_acceptance.py --speedup on the GPU, SPEEDUP_ROWS), head (the LiLiCorr head's share of a GDN-1.3B-shape step; options in HEAD_ARGS), head-kernels (benchmarks/bench_lilicorr.py,
 # its options in HEAD_KERNELS_ARGS), acceptance,
@@ -53,6 +54,12 @@ for stage in "$@"; do
     acceptance) bench acceptance "${T_ACCEPTANCE:-200}" ;;
     launch-counts) timeout "${T_LAUNCH_COUNTS:-150}" python3 benchmarks/launch_counts.py --out "$R" ${LAUNCH_ARGS:-} \
              2>&1 | tee "$R/log_launch_counts.txt" ;;
+    ops-compare) # fla's kernels against the fused projections, one run each shape: launches and kernel time
+      # per body, and (embedded) AR and speculation end to end on held-out prompts (issues #15, #16)
+      timeout "${T_OPS_COMPARE:-200}" python3 benchmarks/launch_counts.py --out "$R/lc_embedded" --ops fla,fused \
+        --speed-prompts data/corpus/heldout_prompts.jsonl --speed-limit 6 --tokens 128 2>&1 | tee "$R/log_lc_embedded.txt"
+      timeout "${T_OPS_COMPARE_1P3B:-110}" python3 benchmarks/launch_counts.py --out "$R/lc_1p3b" --model gdn-1.3b-random \
+        --budget 8 --ops fla,fused 2>&1 | tee "$R/log_lc_1p3b.txt" ;;
     speedup) # the model-free drafter beside the trained ones, on both prompt sets (needs data/corpus/*_prompts.jsonl)
       timeout "${T_SPEEDUP:-240}" python3 benchmarks/run_acceptance.py --speedup --device cuda --limit 8 \
         --max-new-tokens 128 --out "$R" --name speedup_h200 --rows ${SPEEDUP_ROWS:-ngram:chain:1:8:depth=8 \
