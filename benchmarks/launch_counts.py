@@ -12,8 +12,9 @@ torch.profiler: the kernels a body launches are the kernels its CUDA graph repla
 variants of the acceptance phase are counted, compiled (what the engine captures on CUDA)
 and plain, so the effect of fusing it reads off one file. Several op sets (`--ops fla,fused`)
 are compared in one run; with `--speed-prompts` each is also timed end to end through the
-app's measurement. Writes launch_counts.json: per op set and body the kernel count, the
-summed kernel time, and its ten longest kernels.
+app's measurement. Every op set's AR step is also timed as graph replays back to back (its
+wall time, for any model). Writes launch_counts.json: per op set and body the kernel count,
+the summed kernel time, and its ten longest kernels.
 """
 from __future__ import annotations
 
@@ -80,24 +81,36 @@ def count_bodies(runtime, ops: str, args) -> tuple[dict, Engine]:
     drafter = drafter_for(runtime, engine, prompt, settings, args)
     list(engine.speculate(prompt, drafter, settings, draft))           # builds and captures the decoder
     ar = engine._graphed_ar(settings)
-    ar.reset(engine.packed.prefill(prompt)[0], prompt[-1])
+    snapshot = engine.packed.prefill(prompt)[0]
+    ar.reset(snapshot, prompt[-1])
     if isinstance(drafter, OracleDrafter):      # drafted on the device by a step of its own
         spec = engine._oracle_decoder(drafter, settings, draft)["spec"]
     else:
         dec = engine.decoder(drafter, settings, draft)
         # a host drafter's decoder keeps one captured step per draft size: count the largest
         spec = dec.spec if dec.on_device else max(dec.specs.values(), key=lambda sp: sp.tokens.shape[-1])
-    variant = {"ops": engine.ops_note, "dtype": str(engine.dtype).replace("torch.", ""), "bodies": {}}
+    variant = {"ops": engine.ops_note, "dtype": str(engine.dtype).replace("torch.", ""), "bodies": {},
+               "ar_ms_per_token": ar_wall_time(ar, snapshot, prompt[-1], settings.max_new_tokens)}
     bodies = {"ar_step": ar._step, "draft": spec.draft, "verify": spec.verify,
               "accept (compiled)" if spec.compiled else "accept": spec._accept}
     if spec.compiled:
         bodies["accept (plain ops)"] = spec.accept
+    print(f"[{ops}] AR {variant['ar_ms_per_token']['median']:.4f} ms/token (graph replays)", flush=True)
     with torch.no_grad(), spec.state.preserved():
         for name, body in bodies.items():
             variant["bodies"][name] = kernels_of(body, device)
             print(f"[{ops}] {name:>20}: {variant['bodies'][name]['launches']:7.1f} launches, "
                   f"{variant['bodies'][name]['kernel_us']:8.1f} us", flush=True)
     return variant, engine
+
+
+def ar_wall_time(ar, snapshot, root: int, n: int, repeats: int = 5) -> dict:
+    """Milliseconds per token of n AR steps replayed back to back (CUDA events; host time on
+    the CPU), median of `repeats` after one warm run: the wall time the kernel counts add up to."""
+    ar.timed_generate(snapshot, root, n)
+    per_token = sorted(ar.timed_generate(snapshot, root, n)[1] / n for _ in range(repeats))
+    return {"median": per_token[len(per_token) // 2], "min": per_token[0], "max": per_token[-1],
+            "tokens": n, "repeats": repeats}
 
 
 def drafter_for(runtime, engine, prompt: list[int], settings: DecodeSettings, args):

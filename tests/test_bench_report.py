@@ -249,6 +249,8 @@ def test_launch_counts_profiles_the_oracle_step_of_another_model(tmp_path, one_t
     assert result["weight_bytes"] > 0 and "floor_us" not in result          # no GPU: no bandwidth
     bodies = result["variants"]["auto"]["bodies"]
     assert bodies["draft"]["launches"] > 0 and bodies["verify"]["launches"] > bodies["ar_step"]["launches"]
+    ar = result["variants"]["auto"]["ar_ms_per_token"]        # the AR step's wall time, any model
+    assert 0 < ar["min"] <= ar["median"] <= ar["max"] and ar["tokens"] == 64
 
 def test_the_projection_sweep_covers_each_fused_projection_of_both_models():
     """bench_kernels.py's projection section (GPU only) on the CPU: the shapes it sweeps are the
