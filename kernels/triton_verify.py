@@ -582,8 +582,9 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     deferred commit; fused into the verify kernel, except for a hybrid whose first wave
     has several chains, where the commit kernel runs first).
     out: optional preallocated (o, delta), contiguous [B,N,H,V], delta fp32 and o fp32 or
-    rounded to bf16 / fp16 on store (static buffers for a CUDA graph; tests poison them). For benchmarking, block_v overrides the V tile (every
-    mode), num_warps the warps of the walk kernels and v_first their tile orientation.
+    rounded to bf16 / fp16 on store (static buffers for a CUDA graph; tests poison them).
+    For benchmarking, block_v overrides the V tile (every mode), num_warps the warps of the
+    walk kernels and v_first their tile orientation.
     """
     if mode not in MODES:
         raise ValueError(f"unknown verification mode {mode!r}; the kernels do {', '.join(MODES)}")
