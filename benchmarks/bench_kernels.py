@@ -415,7 +415,7 @@ class Bench:
 
     # -- fused projections ----------------------------------------------------------------
 
-    def projection_sweep(self, rows=(1, 9)) -> None:
+    def projection_sweep(self, rows=(1, 9), models: tuple[str, ...] = ()) -> None:
         """The fused projections' tilings (kernels/triton_projection.py) against the default
         path, fla's separate norm / SwiGLU kernel then cuBLAS, per layer in bf16, at the
         embedded model's widths and the GDN-1.3B shape's. A tiling whose output leaves the
@@ -425,6 +425,8 @@ class Bench:
 
         fla = FlaOps()
         for model, config in projection_models().items():
+            if models and model not in models:
+                continue
             for proj, (prologue, K, N) in projection_shapes(config).items():
                 for M in rows:
                     inputs = [projection_inputs(prologue, M, K, N, config, self.dev, seed=l)
@@ -613,6 +615,10 @@ def main(argv=None) -> int:
     parser.add_argument("--skip", default="", help="comma list of sections to skip: "
                         "checks,verify,sweep,commit,deferred,projection")
     parser.add_argument("--only", default="", help="comma list of the only sections to run")
+    parser.add_argument("--projection-rows", default="1,9",
+                        help="comma list of row counts the projection sweep times")
+    parser.add_argument("--projection-models", default="",
+                        help="comma list of the projection sweep's models (embedded, gdn-1.3b; all if empty)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -638,7 +644,9 @@ def main(argv=None) -> int:
                 ("commit", bench.commit_variants),
                 ("deferred", bench.deferred_variants),
                 ("sweep", bench.walk_sweep),
-                ("projection", bench.projection_sweep)]
+                ("projection", lambda: bench.projection_sweep(
+                    tuple(int(r) for r in args.projection_rows.split(",")),
+                    tuple(filter(None, args.projection_models.split(",")))))]
     def save() -> dict:
         """Both files, rewritten after every section: a timeout loses only the running one."""
         auto_rule = fit_auto_rule(bench.results, bench.tv.MAX_TREE_NODES)

@@ -47,6 +47,10 @@ PROLOGUES = {"norm": 0, "gated_norm": 1, "swiglu": 2}
 MAX_ROWS = 64              # [BM, BK] input blocks live in registers
 MAX_GEMV_ROWS = 2          # the GEMV form: one [BN, BK] accumulator a row
 MAX_SPLIT = 16
+# Below this many weight bytes a projection is latency-bound at batch 1 (the embedded
+# model's are 0.3-1.5 MB): the time goes to dependent round trips, not bytes in flight, so
+# its default tiling trades grid size for fewer of them (`_latency_bound_tiling`).
+LATENCY_BOUND_BYTES = 4 << 20
 DEFAULT_SMS = 132          # an H200's, where the device cannot be asked (the interpreter)
 
 
@@ -273,6 +277,9 @@ def _tiling(M: int, N: int, K: int, elem: int, head: int, sms: int, gemv: bool |
     gemv = M <= MAX_GEMV_ROWS if gemv is None else gemv
     kpow = triton.next_power_of_2(K)
     bm = triton.next_power_of_2(M) if gemv else max(16, triton.next_power_of_2(M))
+    chosen = (block_n, block_k, split_k, num_stages, num_warps)
+    if all(c is None for c in chosen) and N * K * elem <= LATENCY_BOUND_BYTES:
+        return _latency_bound_tiling(N, K, elem, head, sms, gemv, bm)
     # the dot form's [BM, BK] fp32 prologue block stays at <= 32 registers a thread
     bk = block_k or max(head, 16, min(kpow, 1024 // elem if gemv else min(512 // elem, 4096 // bm)))
     bn = block_n or (max(4, 8 // bm) if gemv else 16)
@@ -297,6 +304,30 @@ def _tiling(M: int, N: int, K: int, elem: int, head: int, sms: int, gemv: bool |
     warps = num_warps or (_gemv_warps(bk, elem) if gemv else 8 if big else 4)
     stages = num_stages or (2 if big else None)
     return Tiling(gemv, bn, bk, _split_parts(K, bk, split)[0], warps, stages)
+
+
+def _latency_bound_tiling(N: int, K: int, elem: int, head: int, sms: int, gemv: bool, bm: int) -> Tiling:
+    """The default for a small matrix. A split-K slice adds a round trip through L2 (the
+    partials, then the last arriver's sums), ~1 us, more than the parallelism it buys, and
+    each extra K step of a program waits on its loads. So (H200 sweep of the embedded
+    widths, benchmarks/results/h200/session11/):
+    - GEMV: one program a 4-column block over the whole of K (up to 2 KB of a weight row),
+      no split: 2.3 us a call where the grid-filling default took 3.1-3.4;
+    - dot form, a wide matrix with K in one or two blocks: no split, pipelined (4.8 us
+      against 5.9);
+    - dot form otherwise: 32-column blocks, one K block each (split-K), unpipelined (3.9 and
+      5.1 us against 5.2 and 6.2)."""
+    if gemv:
+        bk = max(head, min(triton.next_power_of_2(K), 2048 // elem))
+        return Tiling(True, 4, bk, _split_parts(K, bk, 1)[0], _gemv_warps(bk, elem))
+    bk = max(head, min(triton.next_power_of_2(K), 512 // elem, 4096 // bm))
+    k_blocks = triton.cdiv(K, bk)
+    if k_blocks <= 2 and triton.cdiv(N, 16) >= sms // 2:
+        return Tiling(False, 16, bk, 1, 4, 3)
+    if k_blocks > 2:
+        bk = max(head, min(bk, 256 // elem))
+    split = _split_parts(K, bk, triton.cdiv(K, bk))[0]
+    return Tiling(False, 32, bk, split, 4, 1)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,5 +1,7 @@
 """The public checkpoint shapes parse exactly, and the CLI gives clear errors, not tracebacks."""
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,6 +84,32 @@ def test_fused_projections_route_by_rows_and_matrix_size():
     assert not fused_projection_fits(9, gdn_1p3b_in, 64, 2)
     assert fused_projection_fits(9, embedded_up, 64, 2)
     assert not fused_projection_fits(65, embedded_up, 64, 2)
+
+
+def test_small_matrices_default_to_few_round_trips_and_large_ones_to_bandwidth():
+    """The embedded model's projections are latency-bound: their default tiling has no
+    split-K for a row (the whole of K in one block up to 1024 columns), no split for a wide
+    matrix with a short K at 8 rows, and one K block a program otherwise. The GDN-1.3B
+    shape's matrices are all over the threshold, so the bandwidth heuristic keeps them."""
+    from specla.config import PUBLIC_1P3B
+    from kernels.triton_projection import LATENCY_BOUND_BYTES, picked_tiling
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from bench_kernels import projection_models, projection_shapes
+
+    embedded = projection_models()["embedded"]
+    for name, (prologue, K, N) in projection_shapes(embedded).items():
+        head = embedded.head_v_dim if prologue == "gated_norm" else 0
+        assert N * K * 2 <= LATENCY_BOUND_BYTES, name
+        row = picked_tiling(1, N, K, torch.bfloat16, head)
+        assert row["gemv"] and row["split_k"] == 1 and row["block_k"] >= min(1024, K), (name, row)
+        rows8 = picked_tiling(8, N, K, torch.bfloat16, head)
+        assert not rows8["gemv"], (name, rows8)
+        one_block_each = rows8["split_k"] == -(-K // rows8["block_k"])
+        assert rows8["split_k"] == 1 or one_block_each, (name, rows8)
+    wide = projection_shapes(embedded)["in (norm)"]
+    assert picked_tiling(8, wide[2], wide[1], torch.bfloat16)["split_k"] == 1
+    for name, (prologue, K, N) in projection_shapes(PUBLIC_1P3B).items():
+        assert N * K * 2 > LATENCY_BOUND_BYTES, name
 
 
 def test_auto_ops_fuse_the_projections_of_narrow_targets_only():

@@ -424,3 +424,24 @@ def test_fused_head_decoder_equals_torch_head():
     """The LiLiCorr head as Triton kernels inside the step graph: (fp32, tf32x3 products) the
     same chains as the torch head."""
     assert _decoders_agree("lilicorr", "fused_head").fused_head is not None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_block_top_k_is_one_kernel_on_cuda_and_equals_torch(device):
+    """The block drafter's slot top-k: Triton's `lattice_topk` on CUDA (unless the fused
+    kernels are turned off), torch's log_softmax + topk elsewhere; the same candidates."""
+    from specla.drafters.lilicorr import candidates
+
+    target, drafter = pair("block", device)
+    dev = DeviceBlockDrafter(drafter, DraftSettings(block_size=BLOCK, top_k=4))
+    assert (dev.topk is candidates) == (device == "cpu")
+    assert DeviceBlockDrafter(drafter, DraftSettings(block_size=BLOCK), fused_head=False).topk is candidates
+    rt = PackedTarget(target)
+    prompt = prompt_of(9)
+    _, feats, _ = rt.prefill(prompt, LAYERS)
+    dev.reset(prompt, feats, None)
+    logits = dev.slot_logits(torch.tensor([prompt[-1]], device=device))[1][0]
+    cand, logp = dev.topk(logits, 4)
+    want_cand, want_logp = candidates(logits, 4)
+    assert cand.shape == (BLOCK - 1, 4) and torch.equal(cand, want_cand)
+    assert torch.allclose(logp, want_logp, atol=1e-4)

@@ -227,9 +227,10 @@ def check_projection(prologue: str, M: int, K: int, N: int, dtype, device, seed:
                        if not torch.equal(g, a)]
 
 
-PROJECTION_CASES = [("norm", 1, 384, 1548), ("norm", 9, 384, 2048), ("norm", 64, 2048, 512),
-                    ("norm", 1, 2048, 8208), ("norm", 2, 2048, 8208),
-                    ("gated_norm", 1, 384, 384), ("gated_norm", 1, 2048, 2048), ("gated_norm", 17, 2048, 2048),
+PROJECTION_CASES = [("norm", 1, 384, 1548), ("norm", 8, 384, 1548), ("norm", 9, 384, 2048),
+                    ("norm", 64, 2048, 512), ("norm", 1, 2048, 8208), ("norm", 2, 2048, 8208),
+                    ("gated_norm", 1, 384, 384), ("gated_norm", 8, 384, 384), ("gated_norm", 1, 2048, 2048),
+                    ("gated_norm", 17, 2048, 2048),
                     ("swiglu", 1, 1024, 384), ("swiglu", 9, 1024, 384), ("swiglu", 1, 5632, 2048),
                     ("swiglu", 16, 5632, 2048)]
 

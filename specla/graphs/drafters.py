@@ -80,9 +80,10 @@ class DeviceBlockDrafter(_DeviceDrafter):
 
     The settings are the host drafter's (`DraftSettings`): tree shape, top-k, node budget,
     block size, confidence pruning, temperature. fused_head: run the LiLiCorr
-    head and walk as Triton kernels (None: wherever `kernels.triton_lilicorr.unsupported`
-    allows, i.e. on CUDA for a supported head shape; True: the same, or an error saying why
-    not; False: torch ops). compile: `torch.compile` the draft's torch ops.
+    head and walk, and the block drafter's top-k, as Triton kernels (None: wherever
+    `kernels.triton_lilicorr.unsupported` allows, i.e. on CUDA for a supported head shape;
+    True: the same, or an error saying why not; False: torch ops). compile: `torch.compile`
+    the draft's torch ops.
     """
 
     def __init__(self, drafter: BlockDrafter, settings: DraftSettings, compile: bool = False,
@@ -119,6 +120,7 @@ class DeviceBlockDrafter(_DeviceDrafter):
                     torch.zeros(W, heads, hd, device=dev, dtype=w.dtype)) for _ in net.layers]
         self.arange_w = torch.arange(W, device=dev)
         self.fused_head = self._fused_head(fused_head, dev) if self.lilicorr else None
+        self.topk = self._topk(fused_head, dev)
         self.log: dict[str, torch.Tensor] = {}
         # Inside a CUDA graph every kernel still costs ~2 us, and a draft is a few hundred small
         # ones: torch.compile fuses them (compiled on the first, uncaptured call; the graph then
@@ -151,6 +153,19 @@ class DeviceBlockDrafter(_DeviceDrafter):
         if wanted:
             raise ValueError(f"the fused LiLiCorr head cannot run here: {why}")
         return None
+
+    @staticmethod
+    def _topk(wanted: bool | None, device: torch.device):
+        """The slots' top-k: one Triton kernel on CUDA (log_softmax + topk + sort were three
+        kernels and 31 us of a 139 us draft on the H200), torch's ops elsewhere or when
+        the fused kernels are turned off."""
+        if wanted is False or device.type != "cuda":
+            return candidates
+        try:
+            from kernels.triton_lilicorr import lattice_topk
+        except ImportError:
+            return candidates
+        return lambda logits, k: tuple(t[0] for t in lattice_topk(logits[None], k))
 
     def bind(self, log: StepLog) -> None:
         """This drafter's per-step log: the slot candidates (and LiLiCorr's scores and walk)."""
@@ -229,7 +244,7 @@ class DeviceBlockDrafter(_DeviceDrafter):
         and the slot logits [1, S, V]."""
         h, logits = self._slot_logits(root)
         if not self.lilicorr:
-            cand, cand_logp = candidates(logits[0], self.top_k)
+            cand, cand_logp = self.topk(logits[0], self.top_k)
             return {"cand": cand, "cand_logp": cand_logp, "logits": logits}
         if self.fused_head is not None:
             out = self.fused_head.draft(logits, h, self.anchor())
