@@ -229,13 +229,18 @@ def test_compiled_block_draft_equals_the_uncompiled_one_on_cpu():
     """`compile=True` (what the GPU uses to fuse the draft's ~300 kernels and the acceptance's
     ~70) runs the same math:
     on the CPU (inductor's C++ backend) the decode equals AR and drafts exactly the chains the
-    uncompiled drafter drafts, so the accept lengths agree step for step."""
+    uncompiled drafter drafts, so the accept lengths agree step for step. Each compiled
+    function is one graph: a break would split the draft into more, separately launched
+    kernels."""
+    from torch._dynamo.utils import counters
+
     target, drafter = pair("block", vocab=16, seed=2)
     rt = PackedTarget(target)
     n = 32
     prompt = prompt_of(11, vocab=16, seed=1)
     ref = ar_generate(target, prompt, DecodeSettings(max_new_tokens=n)).tokens
     runs = {}
+    counters.clear()
     for compiled in (False, True):
         dev = DeviceBlockDrafter(drafter, chain_settings(), compile=compiled)
         dec = GraphedDecoder(rt, dev, chain_settings(), capacity=n + 16, use_graph=False)
@@ -245,6 +250,7 @@ def test_compiled_block_draft_equals_the_uncompiled_one_on_cpu():
         assert dec.spec.compiled == compiled      # the acceptance phase is compiled with the draft
     assert dev.compiled and any(runs[True])
     assert runs[True] == runs[False]
+    assert not counters["graph_break"], list(counters["graph_break"])
 
 
 def test_divergence_is_located_and_measured():

@@ -94,6 +94,10 @@ def rope_table(start: int, stop: int, head_dim: int, device: torch.device,
     positions every step, and rebuilding them cost ~10 small ops per rotation (a sixth of the
     pass on the CPU, and as many kernels inside a CUDA graph). Same values as `rope(x, pos)`.
     Tables made under inference mode are kept apart: autograd may not save those."""
+    if torch.compiler.is_compiling():
+        # traced, the table is a few pointwise ops the compiler folds into the rotation, and
+        # the inference-mode query of the key would split the compiled draft into 6 graphs
+        return _cos_sin(torch.arange(start, stop, device=device), head_dim // 2, base)
     key = (start, stop, head_dim // 2, str(device), base, torch.is_inference_mode_enabled())
     table = _ROPE_TABLES.get(key)
     if table is None:
