@@ -30,6 +30,30 @@ from specla.cpu_linear import Linear, linear
 from specla.tree import DraftTree
 
 
+def inference_cache(owner: nn.Module, name: str, params: list[torch.Tensor], build):
+    """`build()` once per set of weights at inference, kept on `owner`; rebuilt on every call
+    under autograd.
+
+    Keyed by the weights' storage and version counters, so a reload, a device move or an
+    in-place update (an optimizer step between held-out evals) rebuilds it; with autograd
+    on (training) it is rebuilt on each call so gradients reach the parameters. On the
+    small CPU model the per-call concatenations cost as much as the matmuls they feed.
+    Traced by torch.compile, the entry an eager call left is read as it is (the version
+    query would break the graph), or built in the graph if there is none.
+    """
+    if torch.is_grad_enabled():
+        return build()
+    cached = owner.__dict__.get("_cache_" + name)
+    if torch.compiler.is_compiling():
+        return build() if cached is None else cached[1]
+    # storage and version: an optimizer step writes the weights in place (same storage),
+    # and a held-out eval between steps must not see the previous step's concatenation
+    key = tuple((p.data_ptr(), 0 if p.is_inference() else p._version) for p in params)
+    if cached is None or cached[0] != key:
+        cached = owner.__dict__["_cache_" + name] = (key, build())
+    return cached[1]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -130,24 +154,6 @@ class GatedDeltaNetMixer(nn.Module):
         self.o_norm = RMSNorm(c.head_v_dim, c.norm_eps)
         self.o_proj = Linear(c.value_dim, c.hidden_size, bias=False)
 
-    def _inference_cache(self, name: str, params: list[torch.Tensor], build):
-        """`build()` once per set of weights at inference; rebuilt on every call under autograd.
-
-        Keyed by the weights' storage and version counters, so a reload, a device move or an
-        in-place update (an optimizer step between held-out evals) rebuilds it; with autograd
-        on (training) it is rebuilt on each call so gradients reach the parameters. On the
-        small CPU model the per-call concatenations cost as much as the matmuls they feed.
-        """
-        if torch.is_grad_enabled():
-            return build()
-        # storage and version: an optimizer step writes the weights in place (same storage),
-        # and a held-out eval between steps must not see the previous step's concatenation
-        key = tuple((p.data_ptr(), 0 if p.is_inference() else p._version) for p in params)
-        cached = self.__dict__.get("_cache_" + name)
-        if cached is None or cached[0] != key:
-            cached = self.__dict__["_cache_" + name] = (key, build())
-        return cached[1]
-
     def conv_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Depthwise conv taps of q|k|v as one [C, W] matrix (and bias [C])."""
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
@@ -156,7 +162,7 @@ class GatedDeltaNetMixer(nn.Module):
             weight = torch.cat([c.weight.squeeze(1) for c in convs])
             bias = torch.cat([c.bias for c in convs]) if self.config.conv_bias else None
             return weight, bias
-        return self._inference_cache("conv", [c.weight for c in convs], build)
+        return inference_cache(self, "conv", [c.weight for c in convs], build)
 
     def tree_conv(self, x: torch.Tensor, window: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Short causal conv along each node's ancestor path. x [B,N,C], window [B,C,W-1]."""
@@ -177,7 +183,7 @@ class GatedDeltaNetMixer(nn.Module):
         if self.config.use_gate:
             parts.append(self.g_proj)
         weights = [p.weight for p in parts]
-        return linear(h, self._inference_cache("in_proj", weights, lambda: torch.cat(weights)))
+        return linear(h, inference_cache(self, "in_proj", weights, lambda: torch.cat(weights)))
 
     def qkv_gates(self, h: torch.Tensor, window: torch.Tensor, topo: Topology):
         """Everything of the layer that comes before the recurrence, and the output gate."""

@@ -640,3 +640,33 @@ def test_segmented_target_run_equals_one_pass(target, prompt):
     a, b = live.run(seq, segment=5), live.run(seq, segment=128)
     assert torch.allclose(a.features, b.features, atol=1e-5)
     assert torch.allclose(a.logits, b.logits, atol=1e-4)
+
+
+def test_block_pass_packs_its_projections_at_inference_only(target, prompt):
+    """At inference q|k|v, k|v and gate|up are each one matmul over weights concatenated once
+    (`block.project`): the same logits as the separate layers under autograd, which still
+    get their gradients; an in-place weight update (an optimizer step) is followed."""
+    torch.manual_seed(0)
+    drafter = new_drafter("block", target, feature_layers=(0, 1), block_size=4, width=32, heads=2,
+                          mlp_hidden=64, window=8)
+    net, parts = drafter.net, drafter.parts
+    ctx = torch.randn(1, 5, 32)
+    root = torch.tensor([prompt[0]])
+
+    def slot_logits():
+        return net(parts, root, ctx)[1]
+
+    with torch.no_grad():
+        packed = slot_logits()
+    layer = net.layers[0]
+    assert {"_cache_qkv", "_cache_kv"} <= set(layer.attn.__dict__) and "_cache_gate_up" in layer.mlp.__dict__
+    plain = slot_logits()                          # autograd on: the separate layers
+    assert torch.allclose(packed, plain, atol=1e-5)
+    plain.sum().backward()
+    for proj in (layer.attn.q_proj, layer.attn.k_proj, layer.attn.v_proj, layer.mlp.gate_proj, layer.mlp.up_proj):
+        assert proj.weight.grad is not None and proj.weight.grad.abs().sum() > 0
+    with torch.no_grad():
+        layer.attn.k_proj.weight.mul_(1.5)         # in place: same storage, new version
+        layer.mlp.up_proj.weight.add_(0.05)
+        updated = slot_logits()
+    assert torch.allclose(updated, slot_logits(), atol=1e-5) and not torch.allclose(updated, packed, atol=1e-3)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from specla.cpu_linear import Linear, linear
 from specla.drafters import tree_build
 from specla.drafters.base import Accepted, Draft, DraftContext, DraftSettings
-from specla.model import RMSNorm
+from specla.model import RMSNorm, inference_cache
 
 
 class TargetParts:
@@ -106,6 +106,18 @@ def rope_table(start: int, stop: int, head_dim: int, device: torch.device,
     return table
 
 
+def project(owner: nn.Module, x: torch.Tensor, layers: tuple[nn.Linear, ...], name: str) -> list[torch.Tensor]:
+    """x through several bias-free linear layers that share it. At inference: one matmul over
+    their weights concatenated once (one weight read and one launch instead of
+    len(layers); the drafter's pass is ~20 small matmuls, each a kernel on a GPU). Under
+    autograd: each layer, so training sees the plain modules."""
+    if torch.is_grad_enabled():
+        return [layer(x) for layer in layers]
+    weights = [layer.weight for layer in layers]
+    fused = inference_cache(owner, name, weights, lambda: torch.cat(weights))
+    return list(linear(x, fused).split([layer.out_features for layer in layers], dim=-1))
+
+
 class Attention(nn.Module):
     """Multi-head attention with QK-norm and RoPE; queries and keys may be different rows."""
 
@@ -128,21 +140,34 @@ class Attention(nn.Module):
         it holds and only rotate them at each step's relative positions.
         """
         shape = (*x.shape[:-1], self.heads, self.head_dim)
-        return self.k_norm(self.k_proj(x).view(shape)), self.v_proj(x).view(shape)
+        k, v = project(self, x, (self.k_proj, self.v_proj), "kv")
+        return self.k_norm(k.view(shape)), v.view(shape)
 
     def keys(self, x: torch.Tensor, pos: Positions) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated keys and values of rows x [..., T, width]: each [..., T, H, Dh]."""
         k, v = self.raw_keys(x)
         return rope(k, pos), v
 
+    def qkv(self, x: torch.Tensor, pos: Positions) -> tuple[torch.Tensor, ...]:
+        """Rotated queries and keys, and values, of the same rows x [..., T, width] (one
+        matmul at inference): each [..., T, H, Dh]."""
+        shape = (*x.shape[:-1], self.heads, self.head_dim)
+        q, k, v = project(self, x, (self.q_proj, self.k_proj, self.v_proj), "qkv")
+        return (rope(self.q_norm(q.view(shape)), pos), rope(self.k_norm(k.view(shape)), pos),
+                v.view(shape))
+
     def attend(self, x: torch.Tensor, pos: Positions, k: torch.Tensor, v: torch.Tensor,
                mask: torch.Tensor | None) -> torch.Tensor:
         """Queries from x [N, T, width]; k, v [N, S, H, Dh]; mask [N|1, 1|H, T, S] (True = see)."""
         shape = (*x.shape[:-1], self.heads, self.head_dim)
-        q = rope(self.q_norm(self.q_proj(x).view(shape)), pos)
+        return self.attend_rotated(rope(self.q_norm(self.q_proj(x).view(shape)), pos), k, v, mask)
+
+    def attend_rotated(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       mask: torch.Tensor | None) -> torch.Tensor:
+        """`attend` from rotated queries q [N, T, H, Dh]."""
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).to(q.dtype),
                                              v.transpose(1, 2).to(q.dtype), attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).reshape(x.shape))
+        return self.o_proj(out.transpose(1, 2).flatten(-2))
 
 
 class SwiGLU(nn.Module):
@@ -153,7 +178,8 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(hidden, width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(self, x, (self.gate_proj, self.up_proj), "gate_up")
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Layer(nn.Module):
@@ -173,12 +199,11 @@ class Layer(nn.Module):
 
         mem_kv, if given, is `self.attn.raw_keys(mem)` computed earlier (a drafter's cache).
         """
-        h = self.attn_norm(x)
-        k, v = self.attn.keys(h, pos)
+        q, k, v = self.attn.qkv(self.attn_norm(x), pos)
         if mem is not None and mem.shape[1]:
             mk, mv = mem_kv if mem_kv is not None else self.attn.raw_keys(mem)
             k, v = torch.cat([rope(mk, mem_pos), k], dim=1), torch.cat([mv, v], dim=1)
-        x = x + self.attn.attend(h, pos, k, v, mask)
+        x = x + self.attn.attend_rotated(q, k, v, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
