@@ -451,3 +451,17 @@ def test_block_top_k_is_one_kernel_on_cuda_and_equals_torch(device):
     want_cand, want_logp = candidates(logits, 4)
     assert cand.shape == (BLOCK - 1, 4) and torch.equal(cand, want_cand)
     assert torch.allclose(logp, want_logp, atol=1e-4)
+
+
+def test_every_device_drafter_is_built_with_compile():
+    """compile=True sets up each kind's device drafter (its functions are traced lazily, at
+    their first call, but what runs when it is built must fit every kind)."""
+    from specla.drafters import model_free_drafter
+    from specla.graphs.drafters import device_drafter_for
+
+    target, block = pair("block")
+    torch.manual_seed(0)
+    eagle = new_drafter("eagle", target, top_k=2, heads=2, mlp_hidden=32, window=8)
+    for drafter in (block, pair("lilicorr")[1], eagle, model_free_drafter("ngram", target)):
+        dev, why = device_drafter_for(drafter, chain_settings(), compile=True)
+        assert why is None and dev.compiled, (type(drafter).__name__, why)

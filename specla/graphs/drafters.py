@@ -375,13 +375,6 @@ class DeviceEagleDrafter(_DeviceDrafter):
         self.h_last = torch.zeros(c.target_hidden, device=dev, dtype=dt)  # the hidden before the root
         self.arange_w = torch.arange(W, device=dev)
         self.compiled = compile
-        if compile:
-            # an eager pass builds the concatenated projection weights (`block.project`); a
-            # function traced before one would concatenate them in its graph on every call
-            with torch.no_grad():
-                self.slot_logits(torch.zeros(1, dtype=torch.long, device=dev))
-                for layer in net.layers:
-                    layer.attn.raw_keys(self.ctx[:1])
         wrap = (lambda fn: torch.compile(fn, dynamic=False)) if compile else (lambda fn: fn)
         self._observe_rows = wrap(self.observe_rows)
         self._grow = wrap(self.grow)
@@ -514,13 +507,6 @@ class DeviceNgramDrafter(_DeviceDrafter):
         # kernels: torch.compile fuses them, as it does EAGLE's `grow` (integer math and
         # comparisons: exact either way)
         self.compiled = compile
-        if compile:
-            # an eager pass builds the concatenated projection weights (`block.project`); a
-            # function traced before one would concatenate them in its graph on every call
-            with torch.no_grad():
-                self.slot_logits(torch.zeros(1, dtype=torch.long, device=dev))
-                for layer in net.layers:
-                    layer.attn.raw_keys(self.ctx[:1])
         wrap = (lambda fn: torch.compile(fn, dynamic=False)) if compile else (lambda fn: fn)
         self._grow = wrap(self.grow)
         self._extended = wrap(self.extended)
