@@ -455,7 +455,8 @@ def test_block_top_k_is_one_kernel_on_cuda_and_equals_torch(device):
 
 def test_every_device_drafter_is_built_with_compile():
     """compile=True sets up each kind's device drafter (its functions are traced lazily, at
-    their first call, but what runs when it is built must fit every kind)."""
+    their first call, but what runs when it is built must fit every kind), with every packed
+    projection weight built first, so no traced graph concatenates weights."""
     from specla.drafters import model_free_drafter
     from specla.graphs.drafters import device_drafter_for
 
@@ -465,3 +466,6 @@ def test_every_device_drafter_is_built_with_compile():
     for drafter in (block, pair("lilicorr")[1], eagle, model_free_drafter("ngram", target)):
         dev, why = device_drafter_for(drafter, chain_settings(), compile=True)
         assert why is None and dev.compiled, (type(drafter).__name__, why)
+        packing = [m for m in getattr(drafter, "net", torch.nn.Module()).modules() if hasattr(m, "PACKS")]
+        assert all("_cache_" + name in m.__dict__ for m in packing for name in m.PACKS)
+        assert packing or drafter.kind == "ngram"      # the model-free drafter has no weights

@@ -106,20 +106,36 @@ def rope_table(start: int, stop: int, head_dim: int, device: torch.device,
     return table
 
 
-def project(owner: nn.Module, x: torch.Tensor, layers: tuple[nn.Linear, ...], name: str) -> list[torch.Tensor]:
-    """x through several bias-free linear layers that share it. At inference: one matmul over
-    their weights concatenated once (one weight read and one launch instead of
-    len(layers); the drafter's pass is ~20 small matmuls, each a kernel on a GPU). Under
-    autograd: each layer, so training sees the plain modules."""
+def _packed_weight(owner: nn.Module, name: str) -> torch.Tensor:
+    """The weights of `owner.PACKS[name]` concatenated (rows), kept until they change."""
+    weights = [getattr(owner, layer).weight for layer in owner.PACKS[name]]
+    return inference_cache(owner, name, weights, lambda: torch.cat(weights))
+
+
+def project(owner: nn.Module, x: torch.Tensor, name: str) -> list[torch.Tensor]:
+    """x through the bias-free linear layers `owner.PACKS[name]`, which share it. At
+    inference: one matmul over their weights concatenated once (one weight read and one
+    launch instead of several; the drafter's pass is ~20 small matmuls, each a kernel on a
+    GPU). Under autograd: each layer, so training sees the plain modules."""
+    layers = [getattr(owner, layer) for layer in owner.PACKS[name]]
     if torch.is_grad_enabled():
         return [layer(x) for layer in layers]
-    weights = [layer.weight for layer in layers]
-    fused = inference_cache(owner, name, weights, lambda: torch.cat(weights))
-    return list(linear(x, fused).split([layer.out_features for layer in layers], dim=-1))
+    return list(linear(x, _packed_weight(owner, name)).split([l.out_features for l in layers], dim=-1))
+
+
+@torch.no_grad()
+def pack_projections(net: nn.Module) -> None:
+    """Build every packed weight `project` reads in `net`, now: a function torch.compile
+    traces before an eager call has built one would concatenate it in its graph, every call."""
+    for module in net.modules():
+        for name in getattr(module, "PACKS", ()):
+            _packed_weight(module, name)
 
 
 class Attention(nn.Module):
     """Multi-head attention with QK-norm and RoPE; queries and keys may be different rows."""
+
+    PACKS = {"qkv": ("q_proj", "k_proj", "v_proj"), "kv": ("k_proj", "v_proj")}   # see `project`
 
     def __init__(self, width: int, heads: int):
         super().__init__()
@@ -140,7 +156,7 @@ class Attention(nn.Module):
         it holds and only rotate them at each step's relative positions.
         """
         shape = (*x.shape[:-1], self.heads, self.head_dim)
-        k, v = project(self, x, (self.k_proj, self.v_proj), "kv")
+        k, v = project(self, x, "kv")
         return self.k_norm(k.view(shape)), v.view(shape)
 
     def keys(self, x: torch.Tensor, pos: Positions) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,7 +168,7 @@ class Attention(nn.Module):
         """Rotated queries and keys, and values, of the same rows x [..., T, width] (one
         matmul at inference): each [..., T, H, Dh]."""
         shape = (*x.shape[:-1], self.heads, self.head_dim)
-        q, k, v = project(self, x, (self.q_proj, self.k_proj, self.v_proj), "qkv")
+        q, k, v = project(self, x, "qkv")
         return (rope(self.q_norm(q.view(shape)), pos), rope(self.k_norm(k.view(shape)), pos),
                 v.view(shape))
 
@@ -171,6 +187,8 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
+    PACKS = {"gate_up": ("gate_proj", "up_proj")}     # see `project`
+
     def __init__(self, width: int, hidden: int):
         super().__init__()
         self.gate_proj = Linear(width, hidden, bias=False)
@@ -178,7 +196,7 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(hidden, width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = project(self, x, (self.gate_proj, self.up_proj), "gate_up")
+        gate, up = project(self, x, "gate_up")
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from specla.drafters.base import DraftSettings
-from specla.drafters.block import BlockDrafter, rope
+from specla.drafters.block import BlockDrafter, pack_projections, rope
 from specla.drafters.eagle import EagleDrafter
 from specla.drafters import ngram
 from specla.drafters.lilicorr import LiLiCorrDrafter, candidates, greedy_walk, lattice, tree_rows
@@ -128,12 +128,7 @@ class DeviceBlockDrafter(_DeviceDrafter):
         # fused head is one kernel already and stays out of the compiled functions.
         self.compiled = compile
         if compile:
-            # an eager pass builds the concatenated projection weights (`block.project`); a
-            # function traced before one would concatenate them in its graph on every call
-            with torch.no_grad():
-                self.slot_logits(torch.zeros(1, dtype=torch.long, device=dev))
-                for layer in net.layers:
-                    layer.attn.raw_keys(self.ctx[:1])
+            pack_projections(net)
         wrap = (lambda fn: torch.compile(fn, dynamic=False)) if compile else (lambda fn: fn)
         self._observe_rows = wrap(self.observe_rows)
         self._slot_logits = wrap(self.slot_logits)
@@ -375,6 +370,8 @@ class DeviceEagleDrafter(_DeviceDrafter):
         self.h_last = torch.zeros(c.target_hidden, device=dev, dtype=dt)  # the hidden before the root
         self.arange_w = torch.arange(W, device=dev)
         self.compiled = compile
+        if compile:
+            pack_projections(net)
         wrap = (lambda fn: torch.compile(fn, dynamic=False)) if compile else (lambda fn: fn)
         self._observe_rows = wrap(self.observe_rows)
         self._grow = wrap(self.grow)
