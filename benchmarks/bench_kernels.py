@@ -14,6 +14,10 @@ cost of the variant for one layer inside a graph. Timed, over draft sizes N = 1.
   commit   factor commit of T accepted tokens vs token replay (T one-token steps that
            recompute delta), T = 1..16
   deferred fused fold + verify vs commit kernel then verify (P = 4)
+  parallel the one-launch parallel form against the walk and the gram + solve pair, N <= 16,
+           at the 1.3B and the embedded head shapes, and its tilings
+  pdl      a model's fused projections back to back, with and without programmatic
+           dependent launch
   memory   factor bytes vs dense snapshot bytes per node
   projection  the fused projections' tilings against fla's norm kernel + cuBLAS, bf16, at the
            embedded model's widths and the 1.3B shape's, 1 and 9 rows (issue #15's sweep)
@@ -374,6 +378,41 @@ class Bench:
                     "tree", *args, self.states[l], ttopo, block_v=bv),
                     topology="random", N=n, depth=depth_of(parents), block_v=bv)
 
+    def parallel_sweep(self, sizes=(2, 4, 8, 9, 16), pending: int = 8) -> None:
+        """The one-launch parallel form against the walk (chains) and the two-launch
+        gram + solve (trees), at this bench's shape and the embedded model's, with and
+        without a deferred commit of `pending` factors; and its K block, warps, V tile and
+        tl.dot precision on a chain of 9 (8 drafts and the root) and a random tree of 16."""
+        tv = self.tv
+        shapes = {"gdn-1.3b": (H, K, V, self.states),
+                  "embedded": (6, 64, 64, torch.randn(self.layers, B, 6, 64, 64, device=self.dev))}
+        for model, (heads, key, value, states) in shapes.items():
+            for n in sizes:
+                x = node_inputs(n, self.dev, seed=n, heads=heads, key=key, value=value)
+                args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+                folded = factors(pending, self.dev, seed=n + 1, heads=heads, key=key, value=value)
+                topos = {"chain": ("chain", chain(n))}
+                if n >= 4:
+                    topos["random"] = ("tree", random_tree(n))
+                for topo_name, (mode, parents) in topos.items():
+                    topo = Topo(parents, self.dev)
+                    for P in (0, pending):
+                        for form in tv.FORMS[mode]:
+                            self.run("form", lambda l, mode=mode, topo=topo, form=form, P=P: tv.verify(
+                                mode, *args, states[l], topo, pending=folded if P else None, form=form),
+                                model=model, mode=mode, form=form, topology=topo_name, N=n, P=P)
+                        if (n, topo_name, P) not in ((9, "chain", pending), (16, "random", pending)):
+                            continue
+                        configs = [dict(block_k=bk, num_warps=w, block_v=bv)
+                                   for bk in (32, 64, key) for w in (1, 2, 4, 8) for bv in (16, 32)
+                                   if bk <= key and bv <= value and not (bk == key == 64)]
+                        configs.append(dict(dot_precision="tf32x3"))
+                        for cfg in configs:
+                            self.run("parallel_sweep", lambda l, mode=mode, topo=topo, cfg=cfg, P=P: tv.verify(
+                                mode, *args, states[l], topo, pending=folded if P else None,
+                                form="parallel", **cfg),
+                                model=model, mode=mode, topology=topo_name, N=n, P=P, **cfg)
+
     # -- commit -------------------------------------------------------------------------
 
     def commit_variants(self, counts=range(1, 17)) -> None:
@@ -414,6 +453,29 @@ class Bench:
     # -- correctness and resources ------------------------------------------------------
 
     # -- fused projections ----------------------------------------------------------------
+
+    def pdl_chain(self, rows=(1, 9)) -> None:
+        """A whole model's projections back to back in one graph (each layer's own weights,
+        so the 1.3B shape's stream from HBM), launched plainly and with programmatic
+        dependent launch (`triton_projection.use_pdl`); microseconds per layer."""
+        from kernels import triton_projection as tp
+        for model, config in projection_models().items():
+            shapes = projection_shapes(config)
+            for M in rows:
+                layers = [{name: projection_inputs(prologue, M, K, N, config, self.dev, seed=97 * l + i)
+                           for i, (name, (prologue, K, N)) in enumerate(shapes.items())}
+                          for l in range(config.num_hidden_layers)]
+
+                def call_layer(l, layers=layers):
+                    for name, (prologue, _, _) in shapes.items():
+                        project(tp, prologue, layers[l % len(layers)][name])
+                for pdl in (False, True):
+                    tp.use_pdl(pdl)
+                    try:
+                        self.run("pdl_chain", call_layer, model=model, M=M, pdl=pdl)
+                    finally:
+                        tp.use_pdl(False)
+                del layers
 
     def projection_sweep(self, rows=(1, 9), models: tuple[str, ...] = ()) -> None:
         """The fused projections' tilings (kernels/triton_projection.py) against the default
@@ -613,7 +675,7 @@ def main(argv=None) -> int:
                         help="distinct layer states rotated in each graph (48 x 2 MiB > L2)")
     parser.add_argument("--quick", action="store_true", help="fewer replays (a smoke run)")
     parser.add_argument("--skip", default="", help="comma list of sections to skip: "
-                        "checks,verify,sweep,commit,deferred,projection")
+                        "checks,verify,sweep,parallel,commit,deferred,projection,pdl")
     parser.add_argument("--only", default="", help="comma list of the only sections to run")
     parser.add_argument("--projection-rows", default="1,9",
                         help="comma list of row counts the projection sweep times")
@@ -644,6 +706,8 @@ def main(argv=None) -> int:
                 ("commit", bench.commit_variants),
                 ("deferred", bench.deferred_variants),
                 ("sweep", bench.walk_sweep),
+                ("parallel", bench.parallel_sweep),
+                ("pdl", bench.pdl_chain),
                 ("projection", lambda: bench.projection_sweep(
                     tuple(int(r) for r in args.projection_rows.split(",")),
                     tuple(filter(None, args.projection_models.split(",")))))]

@@ -43,6 +43,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:                       # grid dependency control (Hopper's programmatic dependent launch)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:        # an older Triton: launches stay plainly stream-ordered
+    gdc_launch_dependents = gdc_wait = None
+
 PROLOGUES = {"norm": 0, "gated_norm": 1, "swiglu": 2}
 MAX_ROWS = 64              # [BM, BK] input blocks live in registers
 MAX_GEMV_ROWS = 2          # the GEMV form: one [BN, BK] accumulator a row
@@ -52,6 +57,11 @@ MAX_SPLIT = 16
 # its default tiling trades grid size for fewer of them (`_latency_bound_tiling`).
 LATENCY_BOUND_BYTES = 4 << 20
 DEFAULT_SMS = 132          # an H200's, where the device cannot be asked (the interpreter)
+# Programmatic dependent launch: the next kernel is launched while this one runs and waits
+# (griddepcontrol.wait) only before it reads what this one wrote, so its launch and its
+# first weight loads overlap this kernel's tail. sm_90+, compiled Triton only; switched by
+# `use_pdl` (False: every launch is plainly stream-ordered).
+PDL = {"enabled": False}
 
 
 @triton.jit
@@ -128,12 +138,16 @@ def _input_block(src, rstd, eps, rows, r_mask, ks, k_mask, K, write_res, dtype: 
 @triton.jit
 def _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl.constexpr,
                 PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr, HEAD: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
     """[BM, BN] fp32 products over the K columns [k_lo, k_hi), for one or two rows. Each row
     has its own [BN, BK] accumulator in the weight tile's own register layout (a [BM, BN, BK]
     one would move every tile through shared memory to a 3-D layout), summed over K once
     after the loop; the next tile is loaded before this one's products, so each program
     keeps two tiles of loads outstanding."""
+    offs = tl.arange(0, BK)
+    wb = tl.load(w_rows + k_lo + offs[None, :], mask=c_mask[:, None] & (k_lo + offs < k_hi)[None, :], other=0.0)
+    if PDL:
+        gdc_wait()
     row0 = tl.arange(0, 1)
     row1 = row0 + 1
     rstd0 = tl.zeros([1], dtype=tl.float32)
@@ -142,8 +156,6 @@ def _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl
         rstd0 = _row_rstd(src, row0, row0 < M, K, eps, HAS_RES, 1, BK)
         if BM == 2:
             rstd1 = _row_rstd(src, row1, row1 < M, K, eps, HAS_RES, 1, BK)
-    offs = tl.arange(0, BK)
-    wb = tl.load(w_rows + k_lo + offs[None, :], mask=c_mask[:, None] & (k_lo + offs < k_hi)[None, :], other=0.0)
     acc0 = tl.zeros([BN, BK], dtype=tl.float32)
     acc1 = tl.zeros([BN, BK], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
@@ -192,8 +204,13 @@ def _projection_kernel(x, x_stride, res, res_stride, res_out, gate, gate_stride,
                        partials, counters, M, N, K, K_SLICE, eps,
                        PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr,
                        DOT: tl.constexpr, GEMV: tl.constexpr, SPLIT: tl.constexpr, HEAD: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """y[:, BN columns] (or, split, one K slice's share of it) for all M rows."""
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
+    """y[:, BN columns] (or, split, one K slice's share of it) for all M rows.
+
+    With PDL, only the weights (which no kernel writes) are read before `gdc_wait`: the
+    inputs, the split-K partials and counters, and every store come after it."""
+    if PDL:
+        gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     cols = pid_n * BN + tl.arange(0, BN)
@@ -205,8 +222,10 @@ def _projection_kernel(x, x_stride, res, res_stride, res_out, gate, gate_stride,
     w_rows = w + cols[:, None] * K
     if GEMV:
         acc = _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, w.dtype.element_ty,
-                          PROLOGUE, HAS_RES, SWISH, HEAD, BM, BN, BK)
+                          PROLOGUE, HAS_RES, SWISH, HEAD, BM, BN, BK, PDL)
     else:
+        if PDL:
+            gdc_wait()
         acc = _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, w.dtype.element_ty,
                          PROLOGUE, HAS_RES, SWISH, HEAD, DOT, BM, BN, BK)
     rows = tl.arange(0, BM)
@@ -362,6 +381,21 @@ def _scratch(device: torch.device, split: int, M: int, N: int, n_blocks: int) ->
     return _SCRATCH[key]
 
 
+def use_pdl(enabled: bool) -> None:
+    """Launch the projections with programmatic dependent launch where it applies."""
+    PDL["enabled"] = bool(enabled)
+
+
+def pdl_applies(device: torch.device) -> bool:
+    return (PDL["enabled"] and gdc_wait is not None and device.type == "cuda"
+            and os.environ.get("TRITON_INTERPRET") != "1" and _capability(device) >= 9)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
+
+
 def _dot_mode(dtype: torch.dtype) -> str:
     if dtype == torch.float32:
         return "ieee"
@@ -406,6 +440,8 @@ def _launch(prologue: str, x2: torch.Tensor, w: torch.Tensor, *, res: torch.Tens
     y = torch.empty(M, N, device=x2.device, dtype=w.dtype)
     partials, counters = _scratch(w.device, split, M, N, n_blocks) if split > 1 else (y, y)
     options = {"num_warps": t.num_warps}
+    if pdl_applies(w.device):
+        options.update(PDL=True, launch_pdl=True)
     if t.num_stages is not None:
         options["num_stages"] = t.num_stages
     _projection_kernel[(n_blocks, split)](

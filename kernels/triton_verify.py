@@ -4,7 +4,8 @@ Each kernel computes what a plain-torch reference in `kernels/reference.py` comp
 
     verify("chain")   `_walk_kernel` (SCHEDULED=False)             chain_verify_ref
     verify("hybrid")  `_walk_kernel` (SCHEDULED=True), per wave     hybrid_verify_ref
-    verify("tree")    `_tree_gram_kernel` + `_tree_solve_kernel`    tree_verify_ref
+    verify("tree")    `_parallel_kernel` (N <= PARALLEL_MAX_NODES)  tree_verify_ref
+                      else `_tree_gram_kernel` + `_tree_solve_kernel`
     commit()          `_commit_kernel`                              commit_ref
 
 Shapes as in the references: q, k [B,N,H,K]; v [B,N,H,V]; g, beta [B,N,H]; S0 [B,H,K,V]
@@ -34,6 +35,14 @@ from kernels.reference import heavy_light_chains
 
 MODES = ("chain", "tree", "hybrid")
 MAX_TREE_NODES = 128        # the tree kernels hold [N, N] matrices in registers
+# Up to this many nodes the parallel form is one launch: every (head, V tile) program
+# builds the [N, N] Gram matrices itself (redundant across V tiles, but N^2 K FMAs cost
+# less than a second launch) and inverts I + A by repeated squaring, whose rounding grows
+# with N (`_parallel_kernel`); past 16 a refinement step no longer repairs it.
+PARALLEL_MAX_NODES = 16
+# A chain up to this many nodes takes the one-launch parallel form too; longer ones the walk
+CHAIN_PARALLEL_MAX_NODES = 16
+FORMS = {"chain": ("walk", "parallel"), "tree": ("parallel", "gram_solve"), "hybrid": ("walk",)}
 MAX_K, MAX_V = 256, 512     # a [K, BV] state tile lives in registers; V is tiled
 # fp32 products of the tree kernels. Triton's default for an fp32 tl.dot on a GPU is tf32
 # (~1e-3 relative error, too coarse to match the serial recurrence); "ieee" is plain fp32
@@ -368,38 +377,49 @@ def _hybrid_verify(q, k, v, g, beta, S0, sched: HybridSchedule, pending, o, delt
 #     O_i  = exp(G_i) q_i^T S0 + sum_{j in anc(i) + i} exp(G_i - G_j) (q_i . k_j) u_j
 # ---------------------------------------------------------------------------------------
 
+@triton.jit
+def _tree_paths(g, parents, o_n, m_n, i_b, i_h, N, H: tl.constexpr, CHAIN: tl.constexpr):
+    """Ancestor-or-self mask anc [BN, BN], path log decays G [BN] (G_i = g_i + G_parent(i))
+    and decay = exp(G_i - G_j) on anc (0 elsewhere) of one (batch, head).
+
+    A tree is read from the parent pointers on the device: each node climbs to the root
+    one parent per iteration (depth iterations), so a graph replays with any tree written
+    into `parents`. A chain (CHAIN) is the lower triangle and a cumsum.
+    """
+    b_g = tl.load(g + (i_b * N + o_n) * H + i_h, mask=m_n, other=0.).to(tl.float32)
+    if CHAIN:
+        anc = o_n[None, :] <= o_n[:, None]
+        G = tl.cumsum(b_g, 0)
+    else:
+        G = b_g
+        anc = o_n[:, None] == o_n[None, :]
+        cur = tl.load(parents + o_n, mask=m_n, other=-1).to(tl.int32)
+        climbed = 0
+        while (tl.max(cur, 0) >= 0) & (climbed < N):          # bounded even for a bad tree
+            climbed += 1
+            up = cur >= 0
+            anc = anc | (cur[:, None] == o_n[None, :])
+            G += tl.load(g + (i_b * N + cur) * H + i_h, mask=up, other=0.).to(tl.float32)
+            cur = tl.load(parents + cur, mask=up, other=-1).to(tl.int32)
+    # exp only where masked in: G_i - G_j between branches can be large and positive
+    decay = tl.where(anc, tl.exp(tl.where(anc, G[:, None] - G[None, :], 0.)), 0.)
+    return anc, G, decay
+
+
 @triton.jit(do_not_specialize=["N"])
 def _tree_gram_kernel(
     q, k, g, beta, parents, A, Pm, Gout, N,
     H: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Per (batch, head): the [BN, BN] matrices A and P = decay * (Q K^T), and G.
-
-    The ancestor mask comes from the parent pointers on the device: each node climbs
-    to the root one parent per iteration (depth iterations), marking ancestors and
-    summing their log decays, so a graph replays with any tree written into `parents`.
-    """
+    """Per (batch, head): the [BN, BN] matrices A and P = decay * (Q K^T), and G."""
     i_bh = tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
     o_n = tl.arange(0, BN)
     m_n = o_n < N
     rows = (i_b * N + o_n) * H + i_h
 
-    b_g = tl.load(g + rows, mask=m_n, other=0.).to(tl.float32)
-    G = b_g                                                  # G_i = g_i + G_parent(i)
-    anc = o_n[:, None] == o_n[None, :]                       # ancestor-or-self
-    cur = tl.load(parents + o_n, mask=m_n, other=-1).to(tl.int32)
-    climbed = 0
-    while (tl.max(cur, 0) >= 0) & (climbed < N):          # bounded even for a bad tree
-        climbed += 1
-        up = cur >= 0
-        anc = anc | (cur[:, None] == o_n[None, :])
-        G += tl.load(g + (i_b * N + cur) * H + i_h, mask=up, other=0.).to(tl.float32)
-        cur = tl.load(parents + cur, mask=up, other=-1).to(tl.int32)
-
-    # exp only where masked in: G_i - G_j between branches can be large and positive
-    decay = tl.where(anc, tl.exp(tl.where(anc, G[:, None] - G[None, :], 0.)), 0.)
+    anc, G, decay = _tree_paths(g, parents, o_n, m_n, i_b, i_h, N, H, False)
     b_beta = tl.load(beta + rows, mask=m_n, other=0.).to(tl.float32)
     o_nn = i_bh.to(tl.int64) * BN * BN + o_n[:, None] * BN + o_n[None, :]
 
@@ -486,6 +506,101 @@ def _tree_solve_kernel(
     tl.store(delta + rows[:, None] * V + o_v[None, :], u, mask=m_out)
 
 
+@triton.jit
+def _inverse_times(A, A2, A4, A8, x, DOT_PRECISION: tl.constexpr):
+    """(I + A)^-1 x for a strictly lower triangular [16, 16] A, given A^2, A^4, A^8."""
+    x -= tl.dot(A, x, input_precision=DOT_PRECISION)
+    x += tl.dot(A2, x, input_precision=DOT_PRECISION)
+    x += tl.dot(A4, x, input_precision=DOT_PRECISION)
+    x += tl.dot(A8, x, input_precision=DOT_PRECISION)
+    return x
+
+
+@triton.jit(do_not_specialize=["P", "N"])
+def _parallel_kernel(
+    q, k, v, g, beta, parents, S, o, delta,
+    stride_sb, stride_sh, stride_sk, stride_sv,
+    kp, dp, gp, P, N,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    CHAIN: tl.constexpr, HAS_PENDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """The whole parallel form of one (batch, head, V tile) in one program.
+
+    One pass over K builds K K^T, Q K^T, K S0 and Q S0 (folding `pending` into each S0
+    block and writing it back first). A is strictly lower triangular, so nilpotent
+    (A^BN = 0) and (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...(I + A^(BN/2)): the solve is
+    log2(BN) dependent products instead of N dependent row steps. Its terms can be larger
+    than the result (entries of A^n up to binomial(N, n) when every key is the same and
+    beta ~ 1), which costs fp32 digits: relative error 6e-5 at N = 16 in that worst case,
+    1e-6 at N = 9, 1e-7 on random keys (the serial forms: 1e-7 always). Hence N <= 16.
+    """
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_n = tl.arange(0, BN)
+    m_n = o_n < N
+    rows = (i_b * N + o_n) * H + i_h
+    o_v = i_v * BV + tl.arange(0, BV)
+    anc, G, decay = _tree_paths(g, parents, o_n, m_n, i_b, i_h, N, H, CHAIN)
+
+    kk = tl.zeros([BN, BN], dtype=tl.float32)
+    qk = tl.zeros([BN, BN], dtype=tl.float32)
+    ks = tl.zeros([BN, BV], dtype=tl.float32)               # K S0
+    qs = tl.zeros([BN, BV], dtype=tl.float32)               # Q S0
+    for i_k in range(K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        p_S = S + i_b * stride_sb + i_h * stride_sh + o_k[:, None] * stride_sk + o_v[None, :] * stride_sv
+        b_S = tl.load(p_S)
+        if HAS_PENDING:
+            b_S = _fold_pending(b_S, kp, dp, gp, i_b, i_h, P, o_k, o_v, H, K, V)
+            tl.store(p_S, b_S)
+        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+        kk += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
+        qk += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
+        ks += tl.dot(b_k, b_S, input_precision=DOT_PRECISION)
+        qs += tl.dot(b_q, b_S, input_precision=DOT_PRECISION)
+
+    b_beta = tl.load(beta + rows, mask=m_n, other=0.).to(tl.float32)
+    strict = anc & (o_n[:, None] != o_n[None, :])
+    A = tl.where(strict, b_beta[:, None] * decay * kk, 0.)
+    eG = tl.exp(G)
+    b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+    rhs = b_beta[:, None] * (b_v - eG[:, None] * ks)
+    A2 = tl.dot(A, A, input_precision=DOT_PRECISION)
+    A4 = tl.dot(A2, A2, input_precision=DOT_PRECISION)
+    A8 = tl.dot(A4, A4, input_precision=DOT_PRECISION)
+    u = _inverse_times(A, A2, A4, A8, rhs, DOT_PRECISION)
+    # one step of refinement: the residual's terms are bounded (|A| <= 1, u bounded), so
+    # it is accurate where the product form's large intermediate terms are not
+    u += _inverse_times(A, A2, A4, A8, rhs - u - tl.dot(A, u, input_precision=DOT_PRECISION),
+                        DOT_PRECISION)
+    b_o = eG[:, None] * qs + tl.dot(decay * qk, u, input_precision=DOT_PRECISION)
+    m_out = m_n[:, None]
+    tl.store(o + rows[:, None] * V + o_v[None, :], b_o, mask=m_out)
+    tl.store(delta + rows[:, None] * V + o_v[None, :], u, mask=m_out)
+
+
+def _parallel_config(N: int, K: int, V: int, block_v: int | None = None, block_k: int | None = None,
+                     num_warps: int | None = None) -> dict:
+    BN = 16                                      # tl.dot's smallest tile; N <= 16
+    return dict(BN=BN, BK=min(K, block_k or 64), BV=min(V, block_v or 16), num_warps=num_warps or 4)
+
+
+def _parallel_verify(q, k, v, g, beta, S0, parents, chain_nodes, pending, o, delta,
+                     block_v=None, block_k=None, num_warps=None, dot_precision=None):
+    B, N, H, K = q.shape
+    V = v.shape[-1]
+    cfg = _parallel_config(N, K, V, block_v, block_k, num_warps)
+    kp, dp, gp, P, has_pending = _pending_args(pending, q)
+    _parallel_kernel[(V // cfg["BV"], B * H)](
+        q, k, v, g, beta, parents, S0, o, delta, *_strides(S0),
+        kp, dp, gp, P, N,
+        H=H, K=K, V=V, BN=cfg["BN"], BK=cfg["BK"], BV=cfg["BV"],
+        CHAIN=chain_nodes, HAS_PENDING=has_pending, DOT_PRECISION=dot_precision or DOT_PRECISION,
+        num_warps=cfg["num_warps"])
+
+
 def _tree_config(N: int, K: int, V: int, block_v: int | None = None) -> dict:
     """Tiles and warps of the two tree kernels, chosen from ptxas reports for sm_90 (no
     spills up to BN=64 at K=256; BN=128's gram kernel spills a few hundred bytes).
@@ -497,7 +612,8 @@ def _tree_config(N: int, K: int, V: int, block_v: int | None = None) -> dict:
                 warps_solve={16: 4, 32: 8, 64: 8}.get(BN, 16))
 
 
-def _tree_verify(q, k, v, g, beta, S0, parents, pending, o, delta, block_v=None):
+def _tree_verify(q, k, v, g, beta, S0, parents, pending, o, delta, block_v=None, form=None,
+                 **parallel_options):
     B, N, H, K = q.shape
     V = v.shape[-1]
     if N > MAX_TREE_NODES:
@@ -506,6 +622,10 @@ def _tree_verify(q, k, v, g, beta, S0, parents, pending, o, delta, block_v=None)
     if parents.shape != (N,) or parents.device != q.device:
         raise ValueError(f"topo.parents must be a [{N}] tensor on {q.device}, got "
                          f"{tuple(parents.shape)} on {parents.device}")
+    if (form or ("parallel" if N <= PARALLEL_MAX_NODES else "gram_solve")) == "parallel":
+        _parallel_verify(q, k, v, g, beta, S0, parents, False, pending, o, delta, block_v,
+                         **parallel_options)
+        return
     cfg = _tree_config(N, K, V, block_v)
     BN = cfg["BN"]
     A = torch.empty((B * H, BN, BN), device=q.device, dtype=torch.float32)
@@ -573,6 +693,7 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
            pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *,
            out: tuple[torch.Tensor, torch.Tensor] | None = None,
            block_v: int | None = None, num_warps: int | None = None, v_first: bool | None = None,
+           form: str | None = None, block_k: int | None = None, dot_precision: str | None = None,
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Outputs and deltas [B,N,H,V] fp32 of every node of `topo` for one layer.
 
@@ -583,11 +704,17 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     has several chains, where the commit kernel runs first).
     out: optional preallocated (o, delta), contiguous [B,N,H,V], delta fp32 and o fp32 or
     rounded to bf16 / fp16 on store (static buffers for a CUDA graph; tests poison them).
-    For benchmarking, block_v overrides the V tile (every mode), num_warps the warps of the
-    walk kernels and v_first their tile orientation.
+    form: which kernel computes the mode (FORMS; None picks by N): a chain's serial "walk"
+    or one-launch "parallel" form, a tree's one-launch "parallel" form (N <= 16) or its
+    two-launch "gram_solve".
+    For benchmarking, block_v overrides the V tile (every form), num_warps the warps,
+    v_first the walk's tile orientation, block_k and dot_precision the parallel form's K
+    block and tl.dot precision.
     """
     if mode not in MODES:
         raise ValueError(f"unknown verification mode {mode!r}; the kernels do {', '.join(MODES)}")
+    if form is not None and form not in FORMS[mode]:
+        raise ValueError(f"{mode} verification has no form {form!r}; it has {', '.join(FORMS[mode])}")
     B, N, H, K, V, P = _check_inputs(q, k, v, g, beta, S0, pending)
     if block_v is not None and (not _is_pow2(block_v) or not 16 <= block_v <= V):
         raise ValueError(f"block_v={block_v} must be a power of two in [16, V={V}]")
@@ -604,10 +731,20 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                     or t.device != q.device:
                 raise ValueError(f"out tensors must be contiguous [B, N, H, V] = {(B, N, H, V)} "
                                  f"on {q.device}, delta float32 and o one of {OUT_DTYPES}")
-    if mode == "chain":
+    if form is None and mode == "tree":
+        form = "parallel" if N <= PARALLEL_MAX_NODES else "gram_solve"
+    elif form is None and mode == "chain":
+        form = "parallel" if N <= CHAIN_PARALLEL_MAX_NODES else "walk"
+    if form == "parallel" and N > PARALLEL_MAX_NODES:
+        raise ValueError(f"the one-launch parallel form takes up to {PARALLEL_MAX_NODES} nodes, not {N}")
+    parallel_options = dict(block_k=block_k, num_warps=num_warps, dot_precision=dot_precision)
+    if mode == "chain" and form == "walk":
         _chain_verify(q, k, v, g, beta, S0, pending, o, delta, block_v, num_warps, v_first)
+    elif mode == "chain":
+        _parallel_verify(q, k, v, g, beta, S0, q, True, pending, o, delta, block_v, **parallel_options)
     elif mode == "tree":
-        _tree_verify(q, k, v, g, beta, S0, topo.parents, pending, o, delta, block_v)
+        _tree_verify(q, k, v, g, beta, S0, topo.parents, pending, o, delta, block_v, form,
+                     **parallel_options)
     else:
         if len(topo.tree.parents) != N:
             raise ValueError(f"topology has {len(topo.tree.parents)} nodes but the inputs {N}")

@@ -124,6 +124,22 @@ def check_verify(mode: str, parents: list[int], B: int, H: int, K: int, V: int, 
     return problems
 
 
+def check_repeated_keys(mode: str, n: int, H: int, K: int, V: int, device, seed: int = 0) -> list[str]:
+    """The parallel form where its repeated squaring rounds worst: every node the same key,
+    beta near 1, little decay (a model repeating itself). Against the reference in float64."""
+    from kernels import triton_verify
+    parents = chain(n) if mode == "chain" else random_tree(n, seed=seed)
+    x, _ = random_inputs(1, n, H, K, V, 0, seed, device)
+    x["k"][:] = x["k"][:, :1].clone()
+    x["beta"] = 0.95 + 0.05 * x["beta"]
+    x["g"] = 0.01 * x["g"]
+    args = [x[name] for name in ("q", "k", "v", "g", "beta", "S0")]
+    o_ref, d_ref = reference.tree_verify_ref(*(a.cpu().double() for a in args), torch.tensor(parents))
+    o, d = triton_verify.verify(mode, *args, make_topo(parents, device), form="parallel")
+    errors = {"o": rel_err(o, o_ref), "delta": rel_err(d, d_ref)}
+    return [f"{name}: relative error {err:.2e} >= {RTOL:.0e}" for name, err in errors.items() if not err < RTOL]
+
+
 def check_commit(B: int, T: int, H: int, K: int, V: int, device, seed: int = 0) -> list[str]:
     from kernels import triton_verify
     x, _ = random_inputs(B, 1, H, K, V, 0, seed, device)
@@ -258,6 +274,42 @@ def test_projection_matches_reference(prologue, M, K, N, dtype):
         assert not problems, (blocks, problems)
 
 
+@needs_cuda
+@pytest.mark.parametrize("M", [1, 9])
+def test_projections_with_pdl_in_a_graph_give_the_same_bits(M):
+    """Three dependent projections (norm, SwiGLU, norm + residual; split-K at M = 9) captured
+    in a CUDA graph with programmatic dependent launch: every replay gives the bits of plain
+    stream-ordered launches, so no kernel read its input before the previous one wrote it."""
+    from kernels import triton_projection as tp
+    gen = torch.Generator(device="cuda").manual_seed(M)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)  # noqa: E731
+    D, hidden = 1024, 2048
+    x, norm_w = rnd(M, D), rnd(D) * 0.1 + 1
+    w_up, w_down, w_next = rnd(2 * hidden, D) * D ** -0.5, rnd(D, hidden) * hidden ** -0.5, rnd(D, D) * D ** -0.5
+
+    def layer():
+        gate_up, _ = tp.norm_linear(x, norm_w, 1e-6, None, w_up)
+        down = tp.swiglu_linear(gate_up, w_down)
+        return tp.norm_linear(down, norm_w, 1e-6, x, w_next)
+    want = [t.clone() for t in layer()]
+    tp.use_pdl(True)
+    try:
+        if not tp.pdl_applies(x.device):
+            pytest.skip("programmatic dependent launch needs sm_90+ and a Triton with griddepcontrol")
+        layer()                                         # compile the PDL variants
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = layer()
+    finally:
+        tp.use_pdl(False)
+    for _ in range(20):
+        x.copy_(rnd(M, D))
+        want = layer()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
 HEAD_SHAPES = {  # name: (HeadConfig fields, slots, top_k, vocab)
     "embedded": (dict(drafter_width=256, target_hidden=384, width=128, heads=4, layers=2,
                       mlp_hidden=256, max_slots=7, max_k=8), 7, 8, 4096),
@@ -374,24 +426,38 @@ SIZES = {"chain": (1, 2, 5, 16, 33, 64), "wide": (9, 64), "deep": (24, 64),
          "random": (7, 33, 64), "forest": (12,)}
 
 
+def forms(mode: str, n: int) -> tuple[str, ...]:
+    """The kernels that compute `mode` for n nodes (the parallel form takes up to 16)."""
+    from kernels.triton_verify import FORMS, PARALLEL_MAX_NODES
+    return tuple(f for f in FORMS[mode] if f != "parallel" or n <= PARALLEL_MAX_NODES)
+
+
 def verify_cases():
     for B, H, K, V in SHAPES:
         for topo_name, sizes in SIZES.items():
             for n in sizes:
                 modes = ("chain", "tree", "hybrid") if topo_name == "chain" else ("tree", "hybrid")
                 for mode in modes:
-                    for P in (0, 8):
-                        yield pytest.param(mode, topo_name, n, B, H, K, V, P,
-                                           id=f"{mode}-N{n}-H{H}-K{K}-V{V}-{topo_name}-B{B}-P{P}")
+                    for form in forms(mode, n):
+                        for P in (0, 8):
+                            yield pytest.param(mode, form, topo_name, n, B, H, K, V, P,
+                                               id=f"{mode}-{form}-N{n}-H{H}-K{K}-V{V}-{topo_name}-B{B}-P{P}")
 
 
 @needs_cuda
-@pytest.mark.parametrize("mode,topo_name,n,B,H,K,V,P", verify_cases())
-def test_verify_matches_reference(mode, topo_name, n, B, H, K, V, P):
+@pytest.mark.parametrize("mode,form,topo_name,n,B,H,K,V,P", verify_cases())
+def test_verify_matches_reference(mode, form, topo_name, n, B, H, K, V, P):
     parents = TOPOLOGIES[topo_name](n)
     seed = zlib.crc32(f"{mode}{topo_name}{n}{B}{H}{K}{V}{P}".encode())
-    problems = check_verify(mode, parents, B, H, K, V, P, "cuda", seed=seed)
+    problems = check_verify(mode, parents, B, H, K, V, P, "cuda", seed=seed, form=form)
     assert not problems, problems
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode,n", [("chain", 9), ("chain", 16), ("tree", 16)])
+@pytest.mark.parametrize("K,V", [(256, 256), (64, 64)], ids=lambda x: str(x))
+def test_parallel_form_on_repeated_keys(mode, n, K, V):
+    assert not check_repeated_keys(mode, n, 8 if K == 256 else 6, K, V, "cuda")
 
 
 @needs_cuda
@@ -430,7 +496,7 @@ def test_walk_orientations(mode, H, K, V, P, v_first, warps):
     with a deferred commit of P factors folded in (P=20: two blocks of the fold)."""
     parents = chain(9) if mode == "chain" else deep_narrow(12)
     assert not check_verify(mode, parents, 1, H, K, V, P, "cuda", seed=P + warps, block_v=16,
-                            num_warps=warps, v_first=v_first)
+                            num_warps=warps, v_first=v_first, form="walk")
 
 
 @needs_cuda
@@ -601,6 +667,14 @@ def test_bad_inputs_raise():
         triton_verify.verify("chain", *args[:5], args[5].double(), topo)
     with pytest.raises(ValueError, match="block_v"):
         triton_verify.verify("chain", *args, topo, block_v=8)
+    with pytest.raises(ValueError, match="no form 'gram_solve'"):
+        triton_verify.verify("chain", *args, topo, form="gram_solve")
+    with pytest.raises(ValueError, match="no form 'parallel'"):
+        triton_verify.verify("hybrid", *args, topo, form="parallel")
+    w, _ = random_inputs(1, 17, 2, 16, 16, 0, 0, "cpu")
+    with pytest.raises(ValueError, match="up to 16 nodes"):
+        triton_verify.verify("chain", *[w[n] for n in ("q", "k", "v", "g", "beta", "S0")],
+                             make_topo(chain(17), "cpu"), form="parallel")
     z, _ = random_inputs(1, 129, 1, 16, 16, 0, 0, "cpu")
     with pytest.raises(ValueError, match="exceeds"):
         triton_verify.verify("tree", *[z[n] for n in ("q", "k", "v", "g", "beta", "S0")],
@@ -678,16 +752,24 @@ def interpreter_cases(group: str):
     if group != "chain":
         topologies += [("wide", wide_shallow(9, width=3)), ("deep", deep_narrow(9)),
                        ("random", random_tree(8, seed=3)), ("forest", forest(7))]
-    # the walk's two tile orientations; P=20 folds a pending commit in two blocks
-    orientations = (False, True) if group != "tree" else (None,)
+    if group != "hybrid":   # 17 nodes: past the parallel form (the walk, the gram + solve)
+        topologies.append(("chain" if group == "chain" else "random", chain(17) if group == "chain"
+                           else random_tree(17, seed=4)))
+        for n in (9, 16):
+            yield (f"{group}-parallel-N{n}-repeated-keys",
+                   lambda n=n: check_repeated_keys(group, n, 2, 16, 16, dev, seed=n))
+    # every form; the walk's two tile orientations; P=20 folds a pending commit in two blocks
+    variants = [{"form": "walk", "v_first": False}, {"form": "walk", "v_first": True}]
     for name, parents in topologies:
+        options = [{"form": f} for f in forms(group, len(parents)) if f != "walk"]
+        options += variants if "walk" in forms(group, len(parents)) else []
         for P in (0, 3, 20):
             for K, V in ((16, 16), (16, 32)):
-                for v_first in orientations:
-                    yield (f"{group}-N{len(parents)}-H2-K{K}-V{V}-{name}-P{P}-v_first={v_first}",
-                           lambda parents=parents, P=P, K=K, V=V, v_first=v_first: check_verify(
-                               group, parents, 2, 2, K, V, P, dev, seed=len(parents) * 10 + P,
-                               **({} if v_first is None else {"v_first": v_first})))
+                for opt in options:
+                    tag = "-".join(f"{k}={v}" for k, v in opt.items())
+                    yield (f"{group}-N{len(parents)}-H2-K{K}-V{V}-{name}-P{P}-{tag}",
+                           lambda parents=parents, P=P, K=K, V=V, opt=opt: check_verify(
+                               group, parents, 2, 2, K, V, P, dev, seed=len(parents) * 10 + P, **opt))
 
 
 def check_tree_swap(mode: str, device, H: int = 2, K: int = 16, V: int = 16) -> list[str]:
