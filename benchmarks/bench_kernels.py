@@ -378,14 +378,14 @@ class Bench:
                     "tree", *args, self.states[l], ttopo, block_v=bv),
                     topology="random", N=n, depth=depth_of(parents), block_v=bv)
 
-    def parallel_sweep(self, sizes=(2, 4, 8, 9, 16), pending: int = 8) -> None:
+    def parallel_sweep(self, sizes=(4, 9, 16), pending: int = 8) -> None:
         """The one-launch parallel form against the walk (chains) and the two-launch
         gram + solve (trees), at this bench's shape and the embedded model's, with and
         without a deferred commit of `pending` factors; and its K block, warps, V tile and
         tl.dot precision on a chain of 9 (8 drafts and the root) and a random tree of 16."""
         tv = self.tv
-        shapes = {"gdn-1.3b": (H, K, V, self.states),
-                  "embedded": (6, 64, 64, torch.randn(self.layers, B, 6, 64, 64, device=self.dev))}
+        shapes = {"embedded": (6, 64, 64, torch.randn(self.layers, B, 6, 64, 64, device=self.dev)),
+                  "gdn-1.3b": (H, K, V, self.states)}
         for model, (heads, key, value, states) in shapes.items():
             for n in sizes:
                 x = node_inputs(n, self.dev, seed=n, heads=heads, key=key, value=value)
@@ -403,10 +403,9 @@ class Bench:
                                 model=model, mode=mode, form=form, topology=topo_name, N=n, P=P)
                         if (n, topo_name, P) not in ((9, "chain", pending), (16, "random", pending)):
                             continue
-                        configs = [dict(block_k=bk, num_warps=w, block_v=bv)
-                                   for bk in (32, 64, key) for w in (1, 2, 4, 8) for bv in (16, 32)
-                                   if bk <= key and bv <= value and not (bk == key == 64)]
-                        configs.append(dict(dot_precision="tf32x3"))
+                        # around the default (64, 4 warps, 16): the best of 25 at the 1.3B shape
+                        configs = [dict(block_k=32), dict(num_warps=2), dict(num_warps=8),
+                                   dict(block_k=key, num_warps=8), dict(block_v=32)]
                         for cfg in configs:
                             self.run("parallel_sweep", lambda l, mode=mode, topo=topo, cfg=cfg, P=P: tv.verify(
                                 mode, *args, states[l], topo, pending=folded if P else None,
@@ -457,7 +456,8 @@ class Bench:
     def pdl_chain(self, rows=(1, 9)) -> None:
         """A whole model's projections back to back in one graph (each layer's own weights,
         so the 1.3B shape's stream from HBM), launched plainly and with programmatic
-        dependent launch (`triton_projection.use_pdl`); microseconds per layer."""
+        dependent launch (`kernels.pdl`); microseconds per layer."""
+        from kernels import pdl
         from kernels import triton_projection as tp
         for model, config in projection_models().items():
             shapes = projection_shapes(config)
@@ -469,12 +469,12 @@ class Bench:
                 def call_layer(l, layers=layers):
                     for name, (prologue, _, _) in shapes.items():
                         project(tp, prologue, layers[l % len(layers)][name])
-                for pdl in (False, True):
-                    tp.use_pdl(pdl)
+                for on in (False, True):
+                    pdl.use_pdl(on)
                     try:
-                        self.run("pdl_chain", call_layer, model=model, M=M, pdl=pdl)
+                        self.run("pdl_chain", call_layer, model=model, M=M, pdl=on)
                     finally:
-                        tp.use_pdl(False)
+                        pdl.use_pdl(False)
                 del layers
 
     def projection_sweep(self, rows=(1, 9), models: tuple[str, ...] = ()) -> None:

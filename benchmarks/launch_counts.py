@@ -32,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from kernels import pdl  # noqa: E402
 from specla import runner  # noqa: E402
 from specla.acceptance import read_prompts  # noqa: E402
 from specla.decode import DecodeSettings  # noqa: E402
@@ -162,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=int, default=7)
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--ops", default="auto",
-                   help="the target's per-layer ops, one set or several to compare: auto | fla | fused | torch")
+                   help="the target's per-layer ops, one set or several to compare: auto | fla | fused | torch; "
+                        "a +pdl suffix (fused+pdl) launches the Triton kernels with programmatic dependent launch")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
     p.add_argument("--speed-limit", type=int, default=8)
     p.add_argument("--tokens", type=int, default=128)
@@ -180,13 +182,19 @@ def main(argv: list[str] | None = None) -> int:
         texts = read_prompts(args.speed_prompts, args.speed_limit)
         result["speed"] = {"prompt_file": str(args.speed_prompts), "prompts": len(texts), "new_tokens": args.tokens}
     args.out.mkdir(parents=True, exist_ok=True)
-    for ops in args.ops.split(","):
-        variant, engine = count_bodies(runtime, ops, args)
-        if args.speed_prompts:
-            variant["speed"] = speed_row(runtime, engine, texts, args)
-            print(f"[{ops}] AR {variant['speed']['ar_ms_per_token']['median']:.4f} ms/token, "
-                  f"speedup {variant['speed']['speedup']:.3f}x", flush=True)
-        result["variants"][ops] = variant
+    for name in args.ops.split(","):
+        ops, _, flag = name.partition("+")
+        pdl.use_pdl(flag == "pdl")
+        try:
+            variant, engine = count_bodies(runtime, ops, args)
+            variant["pdl"] = pdl.pdl_applies(runtime.device)
+            if args.speed_prompts:
+                variant["speed"] = speed_row(runtime, engine, texts, args)
+                print(f"[{name}] AR {variant['speed']['ar_ms_per_token']['median']:.4f} ms/token, "
+                      f"speedup {variant['speed']['speedup']:.3f}x", flush=True)
+        finally:
+            pdl.use_pdl(False)
+        result["variants"][name] = variant
         (args.out / "launch_counts.json").write_text(json.dumps(result, indent=1))   # kept if a later set fails
     return 0
 

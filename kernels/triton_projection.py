@@ -43,10 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-try:                       # grid dependency control (Hopper's programmatic dependent launch)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:        # an older Triton: launches stay plainly stream-ordered
-    gdc_launch_dependents = gdc_wait = None
+from kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 
 PROLOGUES = {"norm": 0, "gated_norm": 1, "swiglu": 2}
 MAX_ROWS = 64              # [BM, BK] input blocks live in registers
@@ -57,11 +54,6 @@ MAX_SPLIT = 16
 # its default tiling trades grid size for fewer of them (`_latency_bound_tiling`).
 LATENCY_BOUND_BYTES = 4 << 20
 DEFAULT_SMS = 132          # an H200's, where the device cannot be asked (the interpreter)
-# Programmatic dependent launch: the next kernel is launched while this one runs and waits
-# (griddepcontrol.wait) only before it reads what this one wrote, so its launch and its
-# first weight loads overlap this kernel's tail. sm_90+, compiled Triton only; switched by
-# `use_pdl` (False: every launch is plainly stream-ordered).
-PDL = {"enabled": False}
 
 
 @triton.jit
@@ -381,21 +373,6 @@ def _scratch(device: torch.device, split: int, M: int, N: int, n_blocks: int) ->
     return _SCRATCH[key]
 
 
-def use_pdl(enabled: bool) -> None:
-    """Launch the projections with programmatic dependent launch where it applies."""
-    PDL["enabled"] = bool(enabled)
-
-
-def pdl_applies(device: torch.device) -> bool:
-    return (PDL["enabled"] and gdc_wait is not None and device.type == "cuda"
-            and os.environ.get("TRITON_INTERPRET") != "1" and _capability(device) >= 9)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device: torch.device) -> int:
-    return torch.cuda.get_device_capability(device)[0]
-
-
 def _dot_mode(dtype: torch.dtype) -> str:
     if dtype == torch.float32:
         return "ieee"
@@ -440,8 +417,7 @@ def _launch(prologue: str, x2: torch.Tensor, w: torch.Tensor, *, res: torch.Tens
     y = torch.empty(M, N, device=x2.device, dtype=w.dtype)
     partials, counters = _scratch(w.device, split, M, N, n_blocks) if split > 1 else (y, y)
     options = {"num_warps": t.num_warps}
-    if pdl_applies(w.device):
-        options.update(PDL=True, launch_pdl=True)
+    options.update(launch_options(w.device))   # kernels/pdl.py: the first weight tile before the wait
     if t.num_stages is not None:
         options["num_stages"] = t.num_stages
     _projection_kernel[(n_blocks, split)](

@@ -275,36 +275,52 @@ def test_projection_matches_reference(prologue, M, K, N, dtype):
 
 
 @needs_cuda
+@pytest.mark.parametrize("form", ["walk", "parallel"])
 @pytest.mark.parametrize("M", [1, 9])
-def test_projections_with_pdl_in_a_graph_give_the_same_bits(M):
-    """Three dependent projections (norm, SwiGLU, norm + residual; split-K at M = 9) captured
-    in a CUDA graph with programmatic dependent launch: every replay gives the bits of plain
-    stream-ordered launches, so no kernel read its input before the previous one wrote it."""
+def test_kernels_with_pdl_in_a_graph_give_the_same_bits(M, form):
+    """Dependent kernels captured in a CUDA graph with programmatic dependent launch: two
+    projections (norm, SwiGLU; split-K at M = 9) feeding a verify with a deferred commit,
+    then a commit, then a projection of the verify's output with the residual. Every replay
+    gives the bits of plainly stream-ordered launches: no kernel read its inputs early."""
+    from kernels import pdl
     from kernels import triton_projection as tp
+    from kernels import triton_verify as tv
     gen = torch.Generator(device="cuda").manual_seed(M)
-    rnd = lambda *shape: torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)  # noqa: E731
-    D, hidden = 1024, 2048
-    x, norm_w = rnd(M, D), rnd(D) * 0.1 + 1
-    w_up, w_down, w_next = rnd(2 * hidden, D) * D ** -0.5, rnd(D, hidden) * hidden ** -0.5, rnd(D, D) * D ** -0.5
+    rnd = lambda *shape: torch.randn(*shape, generator=gen, device="cuda")  # noqa: E731
+    H, Kh, D, hidden = 8, 128, 1024, 2048
+    x, norm_w = rnd(M, D).bfloat16(), rnd(D).bfloat16() * 0.1 + 1
+    w_up = (rnd(2 * hidden, D) * D ** -0.5).bfloat16()
+    w_kv = (rnd(2 * D + 2 * H, hidden) * hidden ** -0.5).bfloat16()
+    w_out = (rnd(D, D) * D ** -0.5).bfloat16()
+    S = rnd(1, H, Kh, Kh)
+    pending = (F.normalize(rnd(1, 3, H, Kh), dim=-1), rnd(1, 3, H, Kh) * 0.5, -rnd(1, 3, H).abs())
+    topo = make_topo(chain(M), "cuda")
 
     def layer():
-        gate_up, _ = tp.norm_linear(x, norm_w, 1e-6, None, w_up)
-        down = tp.swiglu_linear(gate_up, w_down)
-        return tp.norm_linear(down, norm_w, 1e-6, x, w_next)
-    want = [t.clone() for t in layer()]
-    tp.use_pdl(True)
+        h = tp.swiglu_linear(tp.norm_linear(x, norm_w, 1e-6, None, w_up)[0], w_kv).float()
+        k = F.normalize(h[:, :D].view(1, M, H, Kh), dim=-1)
+        v = h[:, D:2 * D].view(1, M, H, Kh)
+        g, beta = -F.softplus(h[:, 2 * D:2 * D + H]).view(1, M, H), h[:, 2 * D + H:].sigmoid().view(1, M, H)
+        o, d = tv.verify("chain", k * Kh ** -0.5, k, v, g, beta, S, topo, pending=pending, form=form)
+        tv.commit(S, k, d, g)
+        return tp.norm_linear(o.reshape(M, D).bfloat16(), norm_w, 1e-6, x, w_out)[0], S
+
+    start = S.clone()
+    pdl.use_pdl(True)
     try:
-        if not tp.pdl_applies(x.device):
+        if not pdl.pdl_applies(x.device):
             pytest.skip("programmatic dependent launch needs sm_90+ and a Triton with griddepcontrol")
-        layer()                                         # compile the PDL variants
+        layer()                                          # compile the PDL variants
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             got = layer()
     finally:
-        tp.use_pdl(False)
-    for _ in range(20):
-        x.copy_(rnd(M, D))
-        want = layer()
+        pdl.use_pdl(False)
+    for _ in range(10):
+        x.copy_(rnd(M, D).bfloat16())
+        S.copy_(start)
+        want = [t.clone() for t in layer()]
+        S.copy_(start)
         graph.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(g, w) for g, w in zip(got, want))

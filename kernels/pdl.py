@@ -1,0 +1,60 @@
+"""Programmatic dependent launch (Hopper's grid dependency control) for this project's kernels.
+
+A kernel launched with it may start while the kernel before it in the stream still runs:
+it is scheduled once every program of that kernel has called `gdc_launch_dependents` (or
+exited), and `gdc_wait` blocks until that kernel has finished and its writes are visible.
+So the launch and whatever a kernel does before `gdc_wait` overlap the previous kernel's
+tail. Before `gdc_wait` a kernel may read only what no kernel writes (weights): with every
+kernel signalling at its top, the kernels still running may be several launches back.
+
+Switched on by `use_pdl(True)`; applies on sm_90+ with compiled Triton (not the interpreter).
+A kernel takes a `PDL: tl.constexpr` and is launched with `**launch_options(device)`.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:        # an older Triton: launches stay plainly stream-ordered
+    gdc_launch_dependents = gdc_wait = None
+
+_STATE = {"enabled": False}
+
+
+def use_pdl(enabled: bool) -> None:
+    """Launch the kernels that take it with programmatic dependent launch, where it applies."""
+    _STATE["enabled"] = bool(enabled)
+
+
+def pdl_enabled() -> bool:
+    return _STATE["enabled"]
+
+
+def pdl_applies(device: torch.device) -> bool:
+    return (_STATE["enabled"] and gdc_wait is not None and device.type == "cuda"
+            and os.environ.get("TRITON_INTERPRET") != "1" and _capability(device) >= 9)
+
+
+def launch_options(device: torch.device) -> dict:
+    """The launch keywords of a kernel with a `PDL` constexpr: PDL on, or nothing."""
+    return {"PDL": True, "launch_pdl": True} if pdl_applies(device) else {}
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """A kernel's first statement: with PDL, let the next kernel launch, then wait for the
+    previous one (for kernels that read nothing before the wait)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
