@@ -453,7 +453,7 @@ class Bench:
 
     # -- fused projections ----------------------------------------------------------------
 
-    def pdl_chain(self, rows=(1, 9)) -> None:
+    def pdl_chain(self, rows=(1, 2, 9)) -> None:
         """A whole model's projections back to back in one graph (each layer's own weights,
         so the 1.3B shape's stream from HBM), launched plainly and with programmatic
         dependent launch (`kernels.pdl`); microseconds per layer."""
@@ -469,12 +469,13 @@ class Bench:
                 def call_layer(l, layers=layers):
                     for name, (prologue, _, _) in shapes.items():
                         project(tp, prologue, layers[l % len(layers)][name])
+                before = pdl.pdl_enabled()
                 for on in (False, True):
                     pdl.use_pdl(on)
                     try:
                         self.run("pdl_chain", call_layer, model=model, M=M, pdl=on)
                     finally:
-                        pdl.use_pdl(False)
+                        pdl.use_pdl(before)
                 del layers
 
     def projection_sweep(self, rows=(1, 9), models: tuple[str, ...] = ()) -> None:

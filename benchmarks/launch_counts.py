@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--ops", default="auto",
                    help="the target's per-layer ops, one set or several to compare: auto | fla | fused | torch; "
-                        "a +pdl suffix (fused+pdl) launches the Triton kernels with programmatic dependent launch")
+                        "a +nopdl suffix (fused+nopdl) launches the GEMV projections without programmatic "
+                        "dependent launch (kernels/pdl.py)")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
     p.add_argument("--speed-limit", type=int, default=8)
     p.add_argument("--tokens", type=int, default=128)
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.ops.split(","):
         ops, _, flag = name.partition("+")
-        pdl.use_pdl(flag == "pdl")
+        pdl.use_pdl(flag != "nopdl")
         try:
             variant, engine = count_bodies(runtime, ops, args)
             variant["pdl"] = pdl.pdl_applies(runtime.device)
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{name}] AR {variant['speed']['ar_ms_per_token']['median']:.4f} ms/token, "
                       f"speedup {variant['speed']['speedup']:.3f}x", flush=True)
         finally:
-            pdl.use_pdl(False)
+            pdl.use_pdl(True)
         result["variants"][name] = variant
         (args.out / "launch_counts.json").write_text(json.dumps(result, indent=1))   # kept if a later set fails
     return 0

@@ -7,8 +7,12 @@ So the launch and whatever a kernel does before `gdc_wait` overlap the previous 
 tail. Before `gdc_wait` a kernel may read only what no kernel writes (weights): with every
 kernel signalling at its top, the kernels still running may be several launches back.
 
-Switched on by `use_pdl(True)`; applies on sm_90+ with compiled Triton (not the interpreter).
-A kernel takes a `PDL: tl.constexpr` and is launched with `**launch_options(device)`.
+Used by the GEMV form of the fused projections (`kernels/triton_projection.py`), which
+loads its first weight tile before the wait: the embedded model's AR step is 11% faster
+with it on the H200 (benchmarks/results/h200/session12/). With nothing to do before the
+wait (the tl.dot form at 9 rows) a kernel was slower with it, so the others launch plainly.
+On by default (`use_pdl`); applies on sm_90+ with compiled Triton, not the interpreter. A
+kernel takes a `PDL: tl.constexpr` and is launched with `**launch_options(device)`.
 """
 from __future__ import annotations
 
@@ -16,15 +20,13 @@ import functools
 import os
 
 import torch
-import triton
-import triton.language as tl
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:        # an older Triton: launches stay plainly stream-ordered
     gdc_launch_dependents = gdc_wait = None
 
-_STATE = {"enabled": False}
+_STATE = {"enabled": True}
 
 
 def use_pdl(enabled: bool) -> None:
@@ -50,11 +52,3 @@ def launch_options(device: torch.device) -> dict:
 def _capability(device: torch.device) -> int:
     return torch.cuda.get_device_capability(device)[0]
 
-
-@triton.jit
-def pdl_start(PDL: tl.constexpr):
-    """A kernel's first statement: with PDL, let the next kernel launch, then wait for the
-    previous one (for kernels that read nothing before the wait)."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()

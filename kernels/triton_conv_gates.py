@@ -18,8 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch_options, pdl_start
-
 
 @triton.jit
 def _node_conv(x, x_row_stride, window, window_stride, weight, bias, rows, in_window, o_w, w_mask,
@@ -46,9 +44,7 @@ def _conv_gates_kernel(x, x_row_stride, window, window_stride, index, weight, bi
                        q_out, k_out, v_out, g_out, beta_out, x_out, C, scale,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, NEG_EIGVAL: tl.constexpr, COPY_X: tl.constexpr,
-                       PDL: tl.constexpr = False):
-    pdl_start(PDL)
+                       HAS_BIAS: tl.constexpr, NEG_EIGVAL: tl.constexpr, COPY_X: tl.constexpr):
     n = tl.program_id(0)
     h = tl.program_id(1)
     o_w = tl.arange(0, BW)
@@ -126,5 +122,5 @@ def conv_gates(x: torch.Tensor, window: torch.Tensor, index: torch.Tensor, weigh
         x_out if x_out is not None else x, C, head_dim ** -0.5,
         H=H, K=K, V=V, W=W, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V),
         BW=triton.next_power_of_2(W), HAS_BIAS=bias is not None, NEG_EIGVAL=neg_eigval,
-        COPY_X=x_out is not None, num_warps=4 if max(K, V) >= 256 else 2, **launch_options(dev))
+        COPY_X=x_out is not None, num_warps=4 if max(K, V) >= 256 else 2)
     return q, k, v, g, beta

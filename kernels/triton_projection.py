@@ -199,8 +199,9 @@ def _projection_kernel(x, x_stride, res, res_stride, res_out, gate, gate_stride,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
     """y[:, BN columns] (or, split, one K slice's share of it) for all M rows.
 
-    With PDL, only the weights (which no kernel writes) are read before `gdc_wait`: the
-    inputs, the split-K partials and counters, and every store come after it."""
+    PDL (the GEMV form only): the first weight tile, which no kernel writes, is read before
+    `gdc_wait`; the inputs, the split-K partials and counters, and every store after it."""
+    tl.static_assert(GEMV or not PDL, "programmatic dependent launch is for the GEMV form")
     if PDL:
         gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -216,8 +217,6 @@ def _projection_kernel(x, x_stride, res, res_stride, res_out, gate, gate_stride,
         acc = _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, w.dtype.element_ty,
                           PROLOGUE, HAS_RES, SWISH, HEAD, BM, BN, BK, PDL)
     else:
-        if PDL:
-            gdc_wait()
         acc = _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, w.dtype.element_ty,
                          PROLOGUE, HAS_RES, SWISH, HEAD, DOT, BM, BN, BK)
     rows = tl.arange(0, BM)
@@ -417,7 +416,8 @@ def _launch(prologue: str, x2: torch.Tensor, w: torch.Tensor, *, res: torch.Tens
     y = torch.empty(M, N, device=x2.device, dtype=w.dtype)
     partials, counters = _scratch(w.device, split, M, N, n_blocks) if split > 1 else (y, y)
     options = {"num_warps": t.num_warps}
-    options.update(launch_options(w.device))   # kernels/pdl.py: the first weight tile before the wait
+    if t.gemv:      # kernels/pdl.py: its first weight tile loads before the wait
+        options.update(launch_options(w.device))
     if t.num_stages is not None:
         options["num_stages"] = t.num_stages
     _projection_kernel[(n_blocks, split)](

@@ -31,7 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch_options, pdl_start
 from kernels.reference import heavy_light_chains
 
 MODES = ("chain", "tree", "hybrid")
@@ -41,7 +40,6 @@ MAX_TREE_NODES = 128        # the tree kernels hold [N, N] matrices in registers
 # less than a second launch) and inverts I + A by repeated squaring, whose rounding grows
 # with N (`_parallel_kernel`); past 16 a refinement step no longer repairs it.
 PARALLEL_MAX_NODES = 16
-PENDING_BLOCK = 16          # pending factors folded per product (`_fold_pending`'s PB)
 # A chain up to this many nodes takes the one-launch parallel form too; longer ones the walk
 CHAIN_PARALLEL_MAX_NODES = 16
 FORMS = {"chain": ("walk", "parallel"), "tree": ("parallel", "gram_solve"), "hybrid": ("walk",)}
@@ -61,40 +59,6 @@ WALK_V_FIRST = False
 # ---------------------------------------------------------------------------------------
 
 @triton.jit
-def _pending_block(dp, gp, i_b, i_h, p0, P, o_v, H: tl.constexpr, V: tl.constexpr,
-                   V_FIRST: tl.constexpr = False, PB: tl.constexpr = 16):
-    """The K-independent parts of pending factors p0..p0+PB-1 (masked past P): their deltas
-    [PB, BV] ([BV, PB] with V_FIRST), each factor's decay to the block's end
-    exp(G_T - G_t) [PB], and the block's whole decay exp(G_T)."""
-    o_p = p0 + tl.arange(0, PB)
-    m = o_p < P
-    row = (i_b * P + o_p) * H + i_h                                            # [PB]
-    b_g = tl.load(gp + row, mask=m, other=0.).to(tl.float32)
-    G = tl.cumsum(b_g, 0)
-    G_T = tl.sum(b_g, 0)
-    if V_FIRST:
-        b_d = tl.load(dp + row[None, :] * V + o_v[:, None], mask=m[None, :], other=0.).to(tl.float32)
-    else:
-        b_d = tl.load(dp + row[:, None] * V + o_v[None, :], mask=m[:, None], other=0.).to(tl.float32)
-    return b_d, tl.exp(G_T - G), tl.exp(G_T)
-
-
-@triton.jit
-def _fold_block(h, kp, b_d, w, eGT, i_b, i_h, p0, P, o_k, H: tl.constexpr, K: tl.constexpr,
-                V_FIRST: tl.constexpr = False, PB: tl.constexpr = 16):
-    """h [BK, BV] ([BV, BK] with V_FIRST) after one block of pending factors, given that
-    block's `_pending_block` parts: exp(G_T) h + sum_t exp(G_T - G_t) k_t d_t^T, one product."""
-    o_p = p0 + tl.arange(0, PB)
-    m = o_p < P
-    row = (i_b * P + o_p) * H + i_h
-    b_k = tl.load(kp + row[:, None] * K + o_k[None, :], mask=m[:, None], other=0.).to(tl.float32)
-    b_k = b_k * w[:, None]                                                     # [PB, BK]
-    if V_FIRST:
-        return h * eGT + tl.dot(b_d, b_k, input_precision="ieee")
-    return h * eGT + tl.dot(tl.trans(b_k), b_d, input_precision="ieee")
-
-
-@triton.jit
 def _fold_pending(h, kp, dp, gp, i_b, i_h, P, o_k, o_v,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, V_FIRST: tl.constexpr = False,
                   PB: tl.constexpr = 16):
@@ -106,9 +70,20 @@ def _fold_pending(h, kp, dp, gp, i_b, i_h, P, o_k, o_v,
     Blocks fold in order. Rows of the state are independent here, so a tile may cover any
     subset of K.
     """
+    o_p = tl.arange(0, PB)
     for p0 in range(0, P, PB):
-        b_d, w, eGT = _pending_block(dp, gp, i_b, i_h, p0, P, o_v, H, V, V_FIRST, PB)
-        h = _fold_block(h, kp, b_d, w, eGT, i_b, i_h, p0, P, o_k, H, K, V_FIRST, PB)
+        m = p0 + o_p < P
+        row = (i_b * P + p0 + o_p) * H + i_h                                      # [PB]
+        b_g = tl.load(gp + row, mask=m, other=0.).to(tl.float32)
+        G = tl.cumsum(b_g, 0)
+        G_T = tl.sum(b_g, 0)
+        b_k = tl.load(kp + row[:, None] * K + o_k[None, :], mask=m[:, None], other=0.).to(tl.float32)
+        b_k = b_k * tl.exp(G_T - G)[:, None]                                      # [PB, BK]
+        b_d = tl.load(dp + row[:, None] * V + o_v[None, :], mask=m[:, None], other=0.).to(tl.float32)
+        if V_FIRST:
+            h = h * tl.exp(G_T) + tl.dot(tl.trans(b_d), b_k, input_precision="ieee")
+        else:
+            h = h * tl.exp(G_T) + tl.dot(tl.trans(b_k), b_d, input_precision="ieee")
     return h
 
 
@@ -204,7 +179,6 @@ def _walk_kernel(
     chain_nodes, chain_len, chain_src, node_slot, scratch, chain_start, max_len,  # SCHEDULED
     N, B: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     SCHEDULED: tl.constexpr, HAS_PENDING: tl.constexpr, V_FIRST: tl.constexpr = False,
-    PDL: tl.constexpr = False,
 ):
     """One program = one (batch, head, V tile) of one chain; walks the chain's tokens.
 
@@ -218,7 +192,6 @@ def _walk_kernel(
     The tile is held [K, BV], or [BV, K] with V_FIRST: then the two sums over K a token
     needs run along a tile row (within a warp, by shuffles) instead of across warps.
     """
-    pdl_start(PDL)
     i_v, i_bh, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     # Vectors are kept 2-D in the tile's layout (k/q along K, v/o/delta along BV), so they
@@ -304,7 +277,7 @@ def _chain_verify(q, k, v, g, beta, S0, pending, o, delta, block_v=None, num_war
         kp, dp, gp, P,
         q, q, q, q, q, 0, 0,                              # no schedule
         N, B=B, H=H, K=K, V=V, BV=BV, SCHEDULED=False, HAS_PENDING=has_pending,
-        V_FIRST=WALK_V_FIRST if v_first is None else v_first, num_warps=warps, **launch_options(q.device))
+        V_FIRST=WALK_V_FIRST if v_first is None else v_first, num_warps=warps)
 
 
 class HybridSchedule:
@@ -551,20 +524,17 @@ def _parallel_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CHAIN: tl.constexpr, HAS_PENDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """The whole parallel form of one (batch, head, V tile) in one program.
 
-    One pass over K builds K K^T, Q K^T, K S0 and Q S0 (folding `pending` into each S0
-    block and writing it back first; the factors' K-independent parts are loaded once,
-    before the pass, so the pass has no inner loop and its loads pipeline). A is strictly lower triangular, so nilpotent
-    (A^BN = 0) and (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...(I + A^(BN/2)): the solve is
-    log2(BN) dependent products instead of N dependent row steps. Its terms can be larger
-    than the result (entries of A^n up to binomial(N, n) when every key is the same and
-    beta ~ 1), which costs fp32 digits: relative error 6e-5 at N = 16 in that worst case,
-    1e-6 at N = 9, 1e-7 on random keys (the serial forms: 1e-7 always). Hence N <= 16.
+    One pass over K builds K K^T, Q K^T, K S0 and Q S0 (after folding `pending` into the
+    program's S0 tile and writing it back). A is strictly lower triangular, so nilpotent
+    (A^16 = 0), and (I + A)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8): the solve is a few
+    dependent products instead of N dependent row steps. Its terms can be much larger than
+    the result (entries of A^n up to binomial(N, n) when every key is the same and beta ~ 1:
+    relative error 1e-4 at N = 16 in that worst case), so one step of refinement follows
+    where some |A_ij| > 1/2.
     """
-    pdl_start(PDL)
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     o_n = tl.arange(0, BN)
@@ -577,15 +547,18 @@ def _parallel_kernel(
     qk = tl.zeros([BN, BN], dtype=tl.float32)
     ks = tl.zeros([BN, BV], dtype=tl.float32)               # K S0
     qs = tl.zeros([BN, BV], dtype=tl.float32)               # Q S0
-    if HAS_PENDING:   # P <= 16 (the host commits any older factors first)
-        d_p, w_p, eGT = _pending_block(dp, gp, i_b, i_h, 0, P, o_v, H, V)
+    p_S = S + i_b * stride_sb + i_h * stride_sh + o_v[None, :] * stride_sv
+    if HAS_PENDING:
+        # the deferred commit on the whole [K, BV] tile first, as the walk does: folded block
+        # by block inside the K pass it cost 2 us a block (H200, GDN-1.3B shape)
+        ks_all = tl.arange(0, K)
+        h = _fold_pending(tl.load(p_S + ks_all[:, None] * stride_sk), kp, dp, gp, i_b, i_h, P,
+                          ks_all, o_v, H, K, V)
+        tl.store(p_S + ks_all[:, None] * stride_sk, h)
+        tl.debug_barrier()        # the pass below reads the tile through other threads
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        p_S = S + i_b * stride_sb + i_h * stride_sh + o_k[:, None] * stride_sk + o_v[None, :] * stride_sv
-        b_S = tl.load(p_S)
-        if HAS_PENDING:
-            b_S = _fold_block(b_S, kp, d_p, w_p, eGT, i_b, i_h, 0, P, o_k, H, K)
-            tl.store(p_S, b_S)
+        b_S = tl.load(p_S + o_k[:, None] * stride_sk)
         b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
         b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
         kk += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
@@ -626,18 +599,13 @@ def _parallel_verify(q, k, v, g, beta, S0, parents, chain_nodes, pending, o, del
     B, N, H, K = q.shape
     V = v.shape[-1]
     cfg = _parallel_config(N, K, V, block_v, block_k, num_warps)
-    if pending is not None and pending[0].shape[1] > PENDING_BLOCK:
-        # the kernel folds one block of factors, its loads hoisted out of the K loop
-        split = pending[0].shape[1] - PENDING_BLOCK
-        commit(S0, *(t[:, :split] for t in pending))
-        pending = tuple(t[:, split:] for t in pending)
     kp, dp, gp, P, has_pending = _pending_args(pending, q)
     _parallel_kernel[(V // cfg["BV"], B * H)](
         q, k, v, g, beta, parents, S0, o, delta, *_strides(S0),
         kp, dp, gp, P, N,
         H=H, K=K, V=V, BN=cfg["BN"], BK=cfg["BK"], BV=cfg["BV"],
         CHAIN=chain_nodes, HAS_PENDING=has_pending, DOT_PRECISION=dot_precision or DOT_PRECISION,
-        num_warps=cfg["num_warps"], **launch_options(q.device))
+        num_warps=cfg["num_warps"])
 
 
 def _tree_config(N: int, K: int, V: int, block_v: int | None = None) -> dict:
@@ -688,10 +656,8 @@ def _tree_verify(q, k, v, g, beta, S0, parents, pending, o, delta, block_v=None,
 
 @triton.jit(do_not_specialize=["P"])
 def _commit_kernel(S, stride_sb, stride_sh, stride_sk, stride_sv, kp, dp, gp, P,
-                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                   PDL: tl.constexpr = False):
+                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
     """One program per (batch, head, V tile): load the tile, fold the P factors, store once."""
-    pdl_start(PDL)
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     ks, vs = tl.arange(0, K), i_v * BV + tl.arange(0, BV)
@@ -722,7 +688,7 @@ def commit(S: torch.Tensor, k: torch.Tensor, delta: torch.Tensor, g: torch.Tenso
     BV, warps = _walk_config(B * H, K, V, block_v, num_warps)
     k, delta, g = _contig(k, delta, g)
     _commit_kernel[(V // BV, B * H)](S, *_strides(S), k, delta, g, T,
-                                     H=H, K=K, V=V, BV=BV, num_warps=warps, **launch_options(S.device))
+                                     H=H, K=K, V=V, BV=BV, num_warps=warps)
 
 
 # ---------------------------------------------------------------------------------------

@@ -276,12 +276,13 @@ def test_projection_matches_reference(prologue, M, K, N, dtype):
 
 @needs_cuda
 @pytest.mark.parametrize("form", ["walk", "parallel"])
-@pytest.mark.parametrize("M", [1, 9])
+@pytest.mark.parametrize("M", [1, 2])
 def test_kernels_with_pdl_in_a_graph_give_the_same_bits(M, form):
-    """Dependent kernels captured in a CUDA graph with programmatic dependent launch: two
-    projections (norm, SwiGLU; split-K at M = 9) feeding a verify with a deferred commit,
-    then a commit, then a projection of the verify's output with the residual. Every replay
-    gives the bits of plainly stream-ordered launches: no kernel read its inputs early."""
+    """Dependent kernels captured in a CUDA graph, the GEMV projections with programmatic
+    dependent launch: two projections (norm, SwiGLU) feeding a verify with a deferred
+    commit, then a commit, then a projection of the verify's output with the residual.
+    Every replay gives the bits of plainly stream-ordered launches (PDL off): no kernel read
+    its inputs early."""
     from kernels import pdl
     from kernels import triton_projection as tp
     from kernels import triton_verify as tv
@@ -306,24 +307,25 @@ def test_kernels_with_pdl_in_a_graph_give_the_same_bits(M, form):
         return tp.norm_linear(o.reshape(M, D).bfloat16(), norm_w, 1e-6, x, w_out)[0], S
 
     start = S.clone()
-    pdl.use_pdl(True)
+    if not pdl.pdl_applies(x.device):
+        pytest.skip("programmatic dependent launch needs sm_90+ and a Triton with griddepcontrol")
+    layer()                                              # compile the PDL variants
+    S.copy_(start)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = layer()
+    pdl.use_pdl(False)
     try:
-        if not pdl.pdl_applies(x.device):
-            pytest.skip("programmatic dependent launch needs sm_90+ and a Triton with griddepcontrol")
-        layer()                                          # compile the PDL variants
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            got = layer()
+        for _ in range(10):
+            x.copy_(rnd(M, D).bfloat16())
+            S.copy_(start)
+            want = [t.clone() for t in layer()]
+            S.copy_(start)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(g, w) for g, w in zip(got, want))
     finally:
-        pdl.use_pdl(False)
-    for _ in range(10):
-        x.copy_(rnd(M, D).bfloat16())
-        S.copy_(start)
-        want = [t.clone() for t in layer()]
-        S.copy_(start)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        pdl.use_pdl(True)
 
 
 HEAD_SHAPES = {  # name: (HeadConfig fields, slots, top_k, vocab)
@@ -665,6 +667,20 @@ def test_runtime_dispatch(mode):
 # ---------------------------------------------------------------------------------------
 # Errors (no kernel launch: these run anywhere)
 # ---------------------------------------------------------------------------------------
+
+def test_auto_mode_sends_small_drafts_to_one_launch():
+    """On CUDA `auto` verifies trees of up to 16 nodes with the tree mode (its one-launch
+    parallel form), larger deep ones with the hybrid; chains with the chain mode, whose
+    kernel is the parallel form up to 16 nodes and the walk past that."""
+    pytest.importorskip("triton")
+    from kernels import triton_verify
+    from specla.verify import resolve_mode
+    for parents, want in ((random_tree(9), "tree"), (wide_shallow(16), "tree"), (chain(9), "chain"),
+                          (deep_narrow(40), "hybrid")):
+        assert resolve_mode("auto", make_topo(parents, "cpu"), "cuda") == want, (len(parents), want)
+    assert resolve_mode("auto", make_topo(random_tree(9), "cpu"), "cpu") == "tree"
+    assert triton_verify.CHAIN_PARALLEL_MAX_NODES <= triton_verify.PARALLEL_MAX_NODES
+
 
 def test_bad_inputs_raise():
     pytest.importorskip("triton")
