@@ -40,8 +40,11 @@ MAX_TREE_NODES = 128        # the tree kernels hold [N, N] matrices in registers
 # less than a second launch) and inverts I + A by repeated squaring, whose rounding grows
 # with N (`_parallel_kernel`); past 16 a refinement step no longer repairs it.
 PARALLEL_MAX_NODES = 16
-# A chain up to this many nodes takes the one-launch parallel form too; longer ones the walk
-CHAIN_PARALLEL_MAX_NODES = 16
+# Chains of CHAIN_PARALLEL_MIN_NODES..PARALLEL_MAX_NODES nodes take the parallel form, the
+# others the walk: with a deferred commit of 8 the walk is faster at 4 nodes (9.3 against
+# 12.9 us a layer at the GDN-1.3B shape, 5.5 against 5.2-7.7 at the embedded), the parallel
+# form from 9 (12.9 against 14.9; 5.2 against 9.0). H200, benchmarks/results/h200/session12/.
+CHAIN_PARALLEL_MIN_NODES = 6
 FORMS = {"chain": ("walk", "parallel"), "tree": ("parallel", "gram_solve"), "hybrid": ("walk",)}
 MAX_K, MAX_V = 256, 512     # a [K, BV] state tile lives in registers; V is tiled
 # fp32 products of the tree kernels. Triton's default for an fp32 tl.dot on a GPU is tf32
@@ -591,7 +594,9 @@ def _parallel_kernel(
 def _parallel_config(N: int, K: int, V: int, block_v: int | None = None, block_k: int | None = None,
                      num_warps: int | None = None) -> dict:
     BN = 16                                      # tl.dot's smallest tile; N <= 16
-    return dict(BN=BN, BK=min(K, block_k or 64), BV=min(V, block_v or 16), num_warps=num_warps or 4)
+    # K blocks of 32: 5.2 us a layer against 7.7 for 64 at the embedded shape (K = 64), equal
+    # at the 1.3B one (13.1, 12.9); 16 V columns and 4 warps were the best of the sweep
+    return dict(BN=BN, BK=min(K, block_k or 32), BV=min(V, block_v or 16), num_warps=num_warps or 4)
 
 
 def _parallel_verify(q, k, v, g, beta, S0, parents, chain_nodes, pending, o, delta,
@@ -712,8 +717,8 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     out: optional preallocated (o, delta), contiguous [B,N,H,V], delta fp32 and o fp32 or
     rounded to bf16 / fp16 on store (static buffers for a CUDA graph; tests poison them).
     form: which kernel computes the mode (FORMS; None picks by N): a chain's serial "walk"
-    or one-launch "parallel" form, a tree's one-launch "parallel" form (N <= 16) or its
-    two-launch "gram_solve".
+    or one-launch "parallel" form (6 <= N <= 16), a tree's one-launch "parallel" form
+    (N <= 16) or its two-launch "gram_solve".
     For benchmarking, block_v overrides the V tile (every form), num_warps the warps,
     v_first the walk's tile orientation, block_k and dot_precision the parallel form's K
     block and tl.dot precision.
@@ -741,7 +746,7 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     if form is None and mode == "tree":
         form = "parallel" if N <= PARALLEL_MAX_NODES else "gram_solve"
     elif form is None and mode == "chain":
-        form = "parallel" if N <= CHAIN_PARALLEL_MAX_NODES else "walk"
+        form = "parallel" if CHAIN_PARALLEL_MIN_NODES <= N <= PARALLEL_MAX_NODES else "walk"
     if form == "parallel" and N > PARALLEL_MAX_NODES:
         raise ValueError(f"the one-launch parallel form takes up to {PARALLEL_MAX_NODES} nodes, not {N}")
     parallel_options = dict(block_k=block_k, num_warps=num_warps, dot_precision=dot_precision)

@@ -671,7 +671,7 @@ def test_runtime_dispatch(mode):
 def test_auto_mode_sends_small_drafts_to_one_launch():
     """On CUDA `auto` verifies trees of up to 16 nodes with the tree mode (its one-launch
     parallel form), larger deep ones with the hybrid; chains with the chain mode, whose
-    kernel is the parallel form up to 16 nodes and the walk past that."""
+    kernel is the parallel form from 6 to 16 nodes and the walk otherwise."""
     pytest.importorskip("triton")
     from kernels import triton_verify
     from specla.verify import resolve_mode
@@ -679,7 +679,7 @@ def test_auto_mode_sends_small_drafts_to_one_launch():
                           (deep_narrow(40), "hybrid")):
         assert resolve_mode("auto", make_topo(parents, "cpu"), "cuda") == want, (len(parents), want)
     assert resolve_mode("auto", make_topo(random_tree(9), "cpu"), "cpu") == "tree"
-    assert triton_verify.CHAIN_PARALLEL_MAX_NODES <= triton_verify.PARALLEL_MAX_NODES
+    assert triton_verify.CHAIN_PARALLEL_MIN_NODES <= triton_verify.PARALLEL_MAX_NODES
 
 
 def test_bad_inputs_raise():
