@@ -446,6 +446,17 @@ def _tree_gram_kernel(
     tl.store(Gout + i_bh * BN + o_n, G)
 
 
+@triton.jit
+def _node_tile(N, H: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr):
+    """A (head, V tile) program's indices over all BN nodes: batch, head, batch * H + head,
+    node offsets and mask, the nodes' rows in [B, N, H, *] tensors, and its value columns."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_n = tl.arange(0, BN)
+    m_n = o_n < N
+    return i_b, i_h, i_bh, o_n, m_n, (i_b * N + o_n) * H + i_h, i_v * BV + tl.arange(0, BV)
+
+
 @triton.jit(do_not_specialize=["P", "N"])
 def _tree_solve_kernel(
     q, k, v, beta, S, o, delta, A, Pm, Gin,
@@ -461,12 +472,7 @@ def _tree_solve_kernel(
     formed. With HAS_PENDING the state tile is folded and written back chunk by chunk
     over K (state rows are independent under a rank-1 update), then used.
     """
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    o_n = tl.arange(0, BN)
-    m_n = o_n < N
-    rows = (i_b * N + o_n) * H + i_h
-    o_v = i_v * BV + tl.arange(0, BV)
+    i_b, i_h, i_bh, o_n, m_n, rows, o_v = _node_tile(N, H, BN, BV)
 
     ks = tl.zeros([BN, BV], dtype=tl.float32)               # K S0
     qs = tl.zeros([BN, BV], dtype=tl.float32)               # Q S0
@@ -538,12 +544,7 @@ def _parallel_kernel(
     relative error 1e-4 at N = 16 in that worst case), so one step of refinement follows
     where some |A_ij| > 1/2.
     """
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    o_n = tl.arange(0, BN)
-    m_n = o_n < N
-    rows = (i_b * N + o_n) * H + i_h
-    o_v = i_v * BV + tl.arange(0, BV)
+    i_b, i_h, i_bh, o_n, m_n, rows, o_v = _node_tile(N, H, BN, BV)
     anc, G, decay = _tree_paths(g, parents, o_n, m_n, i_b, i_h, N, H, CHAIN)
 
     kk = tl.zeros([BN, BN], dtype=tl.float32)
