@@ -27,6 +27,7 @@ except ImportError:        # an older Triton: launches stay plainly stream-order
     gdc_launch_dependents = gdc_wait = None
 
 _STATE = {"enabled": True}
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"     # read once, as Triton does
 
 
 def use_pdl(enabled: bool) -> None:
@@ -40,7 +41,7 @@ def pdl_enabled() -> bool:
 
 def pdl_applies(device: torch.device) -> bool:
     return (_STATE["enabled"] and gdc_wait is not None and device.type == "cuda"
-            and os.environ.get("TRITON_INTERPRET") != "1" and _capability(device) >= 9)
+            and not _INTERPRETED and _capability(device) >= 9)
 
 
 def launch_options(device: torch.device) -> dict:
@@ -51,4 +52,3 @@ def launch_options(device: torch.device) -> dict:
 @functools.lru_cache(maxsize=None)
 def _capability(device: torch.device) -> int:
     return torch.cuda.get_device_capability(device)[0]
-

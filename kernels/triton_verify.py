@@ -625,7 +625,7 @@ def _tree_config(N: int, K: int, V: int, block_v: int | None = None) -> dict:
                 warps_solve={16: 4, 32: 8, 64: 8}.get(BN, 16))
 
 
-def _tree_verify(q, k, v, g, beta, S0, parents, pending, o, delta, block_v=None, form=None,
+def _tree_verify(q, k, v, g, beta, S0, parents, pending, o, delta, block_v, form: str,
                  **parallel_options):
     B, N, H, K = q.shape
     V = v.shape[-1]
@@ -635,7 +635,7 @@ def _tree_verify(q, k, v, g, beta, S0, parents, pending, o, delta, block_v=None,
     if parents.shape != (N,) or parents.device != q.device:
         raise ValueError(f"topo.parents must be a [{N}] tensor on {q.device}, got "
                          f"{tuple(parents.shape)} on {parents.device}")
-    if (form or ("parallel" if N <= PARALLEL_MAX_NODES else "gram_solve")) == "parallel":
+    if form == "parallel":
         _parallel_verify(q, k, v, g, beta, S0, parents, False, pending, o, delta, block_v,
                          **parallel_options)
         return
