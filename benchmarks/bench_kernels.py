@@ -381,8 +381,8 @@ class Bench:
     def parallel_sweep(self, sizes=(4, 9, 16), pending: int = 8) -> None:
         """The one-launch parallel form against the walk (chains) and the two-launch
         gram + solve (trees), at this bench's shape and the embedded model's, with and
-        without a deferred commit of `pending` factors; and its K block, warps, V tile and
-        tl.dot precision on a chain of 9 (8 drafts and the root) and a random tree of 16."""
+        without a deferred commit of `pending` factors; and its K block, warps and V tile on
+        a chain of 9 (8 drafts and the root) and a random tree of 16."""
         tv = self.tv
         shapes = {"embedded": (6, 64, 64, torch.randn(self.layers, B, 6, 64, 64, device=self.dev)),
                   "gdn-1.3b": (H, K, V, self.states)}
@@ -403,8 +403,8 @@ class Bench:
                                 model=model, mode=mode, form=form, topology=topo_name, N=n, P=P)
                         if (n, topo_name, P) not in ((9, "chain", pending), (16, "random", pending)):
                             continue
-                        # around the default (64, 4 warps, 16): the best of 25 at the 1.3B shape
-                        configs = [dict(block_k=32), dict(num_warps=2), dict(num_warps=8),
+                        # around the default (K block 32, 4 warps, 16 V columns)
+                        configs = [dict(block_k=64), dict(num_warps=2), dict(num_warps=8),
                                    dict(block_k=key, num_warps=8), dict(block_v=32)]
                         for cfg in configs:
                             self.run("parallel_sweep", lambda l, mode=mode, topo=topo, cfg=cfg, P=P: tv.verify(
