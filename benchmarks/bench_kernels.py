@@ -515,6 +515,41 @@ class Bench:
                         self.run("projection_fused", lambda l, i=inputs, b=blocks: project(tp, prologue, i[l], **b),
                                  **info, **(blocks or {"default": picked}), rel_err=err)
 
+    def gemv_sweep(self, models: tuple[str, ...] = ()) -> None:
+        """The GEMV form (one row, an AR step's projections) streaming each layer's own
+        weights: the default tiling against weight tiles two ahead (`ahead`), evict-first
+        weight loads (`evict`), several column blocks a program (`blocks`) and wider K blocks.
+        Records weight GB/s beside the time, to read against the copy rate."""
+        from kernels import triton_projection as tp
+        variants = [{}, {"ahead": 2}, {"evict": True}, {"ahead": 2, "evict": True},
+                    {"blocks": 2}, {"blocks": 4}, {"blocks": 2, "evict": True}, {"blocks": 8},
+                    {"block_k": 1024}, {"block_n": 4}, {"block_n": 4, "ahead": 2},
+                    {"block_n": 16, "block_k": 256}]
+        for model, config in projection_models().items():
+            if models and model not in models:
+                continue
+            for proj, (prologue, K, N) in projection_shapes(config).items():
+                head = config.head_v_dim if prologue == "gated_norm" else 0
+                inputs = [projection_inputs(prologue, 1, K, N, config, self.dev, seed=l) for l in range(self.layers)]
+                want = project(tp, prologue, inputs[0])
+                picked = tp.picked_tiling(1, N, K, torch.bfloat16, head, self.dev)
+                for blocks in variants:
+                    if head and blocks.get("block_k", head) % head:
+                        continue
+                    info = dict(model=model, projection=proj, M=1, K=K, N=N, **(blocks or {"default": picked}))
+                    try:
+                        got = project(tp, prologue, inputs[0], gemv=True, **blocks)
+                        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+                    except Exception as exc:  # noqa: BLE001 - record, go on
+                        self.errors.append({"name": "gemv", **info, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                        continue
+                    rec = self.run("gemv", lambda l, i=inputs, b=blocks: project(tp, prologue, i[l], gemv=True, **b),
+                                   **info, rel_err=err)
+                    if rec is not None:
+                        rec["weight_GBps"] = N * K * 2 / (rec["us"]["median"] * 1e3)
+                        self.log(f"   {rec['weight_GBps']:.0f} GB/s")
+                del inputs
+
     def checks(self) -> list[dict]:
         """Relative error of each mode against the reference (fresh state, with pending)."""
         tv, out = self.tv, []
@@ -676,7 +711,7 @@ def main(argv=None) -> int:
                         help="distinct layer states rotated in each graph (48 x 2 MiB > L2)")
     parser.add_argument("--quick", action="store_true", help="fewer replays (a smoke run)")
     parser.add_argument("--skip", default="", help="comma list of sections to skip: "
-                        "checks,verify,sweep,parallel,commit,deferred,projection,pdl")
+                        "checks,verify,sweep,parallel,commit,deferred,projection,pdl,gemv")
     parser.add_argument("--only", default="", help="comma list of the only sections to run")
     parser.add_argument("--projection-rows", default="1,9",
                         help="comma list of row counts the projection sweep times")
@@ -709,6 +744,7 @@ def main(argv=None) -> int:
                 ("sweep", bench.walk_sweep),
                 ("parallel", bench.parallel_sweep),
                 ("pdl", bench.pdl_chain),
+                ("gemv", lambda: bench.gemv_sweep(tuple(filter(None, args.projection_models.split(","))))),
                 ("projection", lambda: bench.projection_sweep(
                     tuple(int(r) for r in args.projection_rows.split(",")),
                     tuple(filter(None, args.projection_models.split(",")))))]

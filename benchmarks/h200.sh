@@ -6,7 +6,7 @@
 # Stages: tests (pytest -m gpu), kernel-tests (tests/test_kernels.py on the GPU), runtime, kernels, e2e, e2e-quick,
 # app (benchmarks/app_vs_bench.py: the real app over HTTP against the bench's rows; options in APP_ARGS,
 # cases named without spaces, e.g. --cases block_chain,lilicorr_best-first_16), launch-counts (kernels per step body),
-# projection-sweep (benchmarks/bench_kernels.py --only projection), parallel (--only parallel,pdl), ops-compare (fla against the fused projections,
+# projection-sweep (benchmarks/bench_kernels.py --only projection), gemv (--only gemv), parallel (--only parallel,pdl), ops-compare (fla against the fused projections,
 # embedded and 1.3B, with the embedded pair's speed on held-out prompts); issue #16's per-kernel profile at the 1.3B shape:
 #   LAUNCH_ARGS="--model gdn-1.3b-random --budget 8" bash benchmarks/h200.sh launch-counts,
 # speedup (run_acceptance.py --speedup on the GPU, SPEEDUP_ROWS), head (the LiLiCorr head's share of a GDN-1.3B-shape step; options in HEAD_ARGS), head-kernels (benchmarks/bench_lilicorr.py,
@@ -46,6 +46,9 @@ for stage in "$@"; do
     projection-sweep) # the fused projections' tilings against fla + cuBLAS (issue #15); QUICK=--quick halves it
       timeout "${T_PROJECTION:-420}" python3 benchmarks/bench_kernels.py --out "$R/projection" --only projection \
         ${QUICK:-} 2>&1 | tee "$R/log_projection_sweep.txt" ;;
+    gemv) # the GEMV form's streaming variants (tiles ahead, evict-first, column blocks a program), GB/s
+      timeout "${T_GEMV:-240}" python3 benchmarks/bench_kernels.py --out "$R/gemv" --only gemv \
+        ${QUICK:---quick} 2>&1 | tee "$R/log_gemv.txt" ;;
     parallel) # the one-launch parallel verify against the walk and gram + solve, and PDL on the projections
       timeout "${T_PARALLEL:-240}" python3 benchmarks/bench_kernels.py --out "$R/parallel" --only parallel,pdl \
         ${QUICK:---quick} 2>&1 | tee "$R/log_parallel.txt" ;;
