@@ -128,6 +128,15 @@ def _input_block(src, rstd, eps, rows, r_mask, ks, k_mask, K, write_res, dtype: 
 
 
 @triton.jit
+def _packed_products(w_tile, h, BN: tl.constexpr, BK: tl.constexpr, VEC: tl.constexpr):
+    """w_tile * h summed over each run of VEC columns -> [BN, BK // VEC] fp32. A thread holds
+    VEC consecutive columns of a row (one 16-byte load), so the sum stays in the thread and
+    the accumulator takes BK / VEC registers a row instead of BK: more programs fit an SM,
+    and more weight loads are in flight."""
+    return tl.sum(tl.reshape(w_tile.to(tl.float32) * h.to(tl.float32), [BN, BK // VEC, VEC]), axis=2)
+
+
+@triton.jit
 def _weight_tile(w_rows, c_mask, k0, k_hi, BK: tl.constexpr, EVICT: tl.constexpr):
     """The [BN, BK] weight tile at K column k0 (zeros past k_hi). EVICT "evict_first" marks
     the lines as first to leave L2: weights streamed once a step then do not push out the
@@ -141,7 +150,7 @@ def _weight_tile(w_rows, c_mask, k0, k_hi, BK: tl.constexpr, EVICT: tl.constexpr
 def _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl.constexpr,
                 PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr, HEAD: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
-                AHEAD: tl.constexpr, EVICT: tl.constexpr):
+                AHEAD: tl.constexpr, EVICT: tl.constexpr, VEC: tl.constexpr):
     """[BM, BN] fp32 products over the K columns [k_lo, k_hi), for one or two rows. Each row
     has its own [BN, BK] accumulator in the weight tile's own register layout (a [BM, BN, BK]
     one would move every tile through shared memory to a 3-D layout), summed over K once
@@ -162,19 +171,18 @@ def _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl
         rstd0 = _row_rstd(src, row0, row0 < M, K, eps, HAS_RES, 1, BK)
         if BM == 2:
             rstd1 = _row_rstd(src, row1, row1 < M, K, eps, HAS_RES, 1, BK)
-    acc0 = tl.zeros([BN, BK], dtype=tl.float32)
-    acc1 = tl.zeros([BN, BK], dtype=tl.float32)
+    acc0 = tl.zeros([BN, BK // VEC], dtype=tl.float32)
+    acc1 = tl.zeros([BN, BK // VEC], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         ks = k0 + offs
         w_next = _weight_tile(w_rows, c_mask, k0 + AHEAD * BK, k_hi, BK, EVICT)
-        wf = wb.to(tl.float32)
         h0 = _input_block(src, rstd0, eps, row0, row0 < M, ks, ks < k_hi, K, write_res, dtype,
                           PROLOGUE, HAS_RES, SWISH, HEAD, 1, BK)
-        acc0 += wf * h0.to(tl.float32)
+        acc0 += _packed_products(wb, h0, BN, BK, VEC)
         if BM == 2:
             h1 = _input_block(src, rstd1, eps, row1, row1 < M, ks, ks < k_hi, K, write_res, dtype,
                               PROLOGUE, HAS_RES, SWISH, HEAD, 1, BK)
-            acc1 += wf * h1.to(tl.float32)
+            acc1 += _packed_products(wb, h1, BN, BK, VEC)
         if AHEAD == 2:
             wb = wn
             wn = w_next
@@ -200,7 +208,7 @@ def _block_tile(w, first_block, it, total, KT, N, K, BN: tl.constexpr, BK: tl.co
 def _gemv_blocks(src, w, y, y_stride, first_block, M, N, K, eps, dtype: tl.constexpr,
                  PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr, HEAD: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
-                 EVICT: tl.constexpr, BLOCKS: tl.constexpr):
+                 EVICT: tl.constexpr, BLOCKS: tl.constexpr, VEC: tl.constexpr):
     """y for BLOCKS consecutive column blocks from first_block, all of K (the GEMV form, one
     or two rows), in one flattened loop over (block, K tile): the next tile is loaded across
     block boundaries, so a program streams its whole share without the pipeline draining
@@ -220,21 +228,20 @@ def _gemv_blocks(src, w, y, y_stride, first_block, M, N, K, eps, dtype: tl.const
         rstd0 = _row_rstd(src, row0, row0 < M, K, eps, HAS_RES, 1, BK)
         if BM == 2:
             rstd1 = _row_rstd(src, row1, row1 < M, K, eps, HAS_RES, 1, BK)
-    acc0 = tl.zeros([BN, BK], dtype=tl.float32)
-    acc1 = tl.zeros([BN, BK], dtype=tl.float32)
+    acc0 = tl.zeros([BN, BK // VEC], dtype=tl.float32)
+    acc1 = tl.zeros([BN, BK // VEC], dtype=tl.float32)
     for it in range(0, total):
         kt = it % KT
         ks = kt * BK + offs
         w_next = _block_tile(w, first_block, it + 1, total, KT, N, K, BN, BK, EVICT)
-        wf = wb.to(tl.float32)
         write_res = (first_block == 0) & (it < KT)
         h0 = _input_block(src, rstd0, eps, row0, row0 < M, ks, ks < K, K, write_res, dtype,
                           PROLOGUE, HAS_RES, SWISH, HEAD, 1, BK)
-        acc0 += wf * h0.to(tl.float32)
+        acc0 += _packed_products(wb, h0, BN, BK, VEC)
         if BM == 2:
             h1 = _input_block(src, rstd1, eps, row1, row1 < M, ks, ks < K, K, write_res, dtype,
                               PROLOGUE, HAS_RES, SWISH, HEAD, 1, BK)
-            acc1 += wf * h1.to(tl.float32)
+            acc1 += _packed_products(wb, h1, BN, BK, VEC)
         if kt == KT - 1:
             cols = (first_block + it // KT) * BN + tl.arange(0, BN)
             acc = tl.sum(acc0, axis=1)[None, :]
@@ -242,8 +249,8 @@ def _gemv_blocks(src, w, y, y_stride, first_block, M, N, K, eps, dtype: tl.const
                 acc = tl.where(rows[:, None] == 0, acc, tl.sum(acc1, axis=1)[None, :])
             tl.store(y + rows[:, None] * y_stride + cols[None, :], acc.to(dtype),
                      mask=(rows < M)[:, None] & (cols < N)[None, :])
-            acc0 = tl.zeros([BN, BK], dtype=tl.float32)
-            acc1 = tl.zeros([BN, BK], dtype=tl.float32)
+            acc0 = tl.zeros([BN, BK // VEC], dtype=tl.float32)
+            acc1 = tl.zeros([BN, BK // VEC], dtype=tl.float32)
         wb = w_next
 
 
@@ -275,7 +282,8 @@ def _projection_kernel(x, x_stride, res, res_stride, res_out, gate, gate_stride,
                        PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr,
                        DOT: tl.constexpr, GEMV: tl.constexpr, SPLIT: tl.constexpr, HEAD: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False,
-                       AHEAD: tl.constexpr = 1, EVICT: tl.constexpr = "", BLOCKS: tl.constexpr = 1):
+                       AHEAD: tl.constexpr = 1, EVICT: tl.constexpr = "", BLOCKS: tl.constexpr = 1,
+                       VEC: tl.constexpr = 8):
     """y[:, BN columns] (or, split, one K slice's share of it) for all M rows.
 
     PDL (the GEMV form only): the first weight tile, which no kernel writes, is read before
@@ -287,7 +295,7 @@ def _projection_kernel(x, x_stride, res, res_stride, res_out, gate, gate_stride,
     src = (x, x_stride, res, res_stride, res_out, gate, gate_stride, norm_w)
     if BLOCKS > 1:
         _gemv_blocks(src, w, y, y_stride, tl.program_id(0) * BLOCKS, M, N, K, eps, w.dtype.element_ty,
-                     PROLOGUE, HAS_RES, SWISH, HEAD, BM, BN, BK, PDL, EVICT, BLOCKS)
+                     PROLOGUE, HAS_RES, SWISH, HEAD, BM, BN, BK, PDL, EVICT, BLOCKS, VEC)
     else:
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
@@ -299,7 +307,7 @@ def _projection_kernel(x, x_stride, res, res_stride, res_out, gate, gate_stride,
         w_rows = w + cols[:, None] * K
         if GEMV:
             acc = _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, w.dtype.element_ty,
-                              PROLOGUE, HAS_RES, SWISH, HEAD, BM, BN, BK, PDL, AHEAD, EVICT)
+                              PROLOGUE, HAS_RES, SWISH, HEAD, BM, BN, BK, PDL, AHEAD, EVICT, VEC)
         else:
             acc = _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, w.dtype.element_ty,
                              PROLOGUE, HAS_RES, SWISH, HEAD, DOT, BM, BN, BK)
@@ -343,6 +351,7 @@ class Tiling:
     ahead: int = 1             # GEMV: weight tiles loaded ahead of the one in use
     evict: bool = False        # GEMV: weight loads marked evict-first in L2
     blocks: int = 1            # GEMV, no split: column blocks a program streams back to back
+    packed: bool = True        # GEMV: a thread's 16 bytes of a row summed in the loop (False: after it)
 
 
 def _split_parts(K: int, block_k: int, split_k: int) -> tuple[int, int]:
@@ -364,7 +373,7 @@ def _gemv_warps(block_k: int, elem: int) -> int:
 def _tiling(M: int, N: int, K: int, elem: int, head: int, sms: int, gemv: bool | None = None,
             block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
             num_stages: int | None = None, num_warps: int | None = None, ahead: int | None = None,
-            evict: bool | None = None, blocks: int | None = None) -> Tiling:
+            evict: bool | None = None, blocks: int | None = None, packed: bool | None = None) -> Tiling:
     """The caller's keywords, the rest chosen for a weight-streaming step: at least 2
     programs an SM, each streaming 1 KB of each weight row a K step (GEMV: 8 rows for one
     input row, 8 KB a tile and 64 fp32 accumulators a thread; 4 rows for two) or 512 B
@@ -375,7 +384,7 @@ def _tiling(M: int, N: int, K: int, elem: int, head: int, sms: int, gemv: bool |
     gemv = M <= MAX_GEMV_ROWS if gemv is None else gemv
     kpow = triton.next_power_of_2(K)
     bm = triton.next_power_of_2(M) if gemv else max(16, triton.next_power_of_2(M))
-    chosen = (block_n, block_k, split_k, num_stages, num_warps, ahead, evict, blocks)
+    chosen = (block_n, block_k, split_k, num_stages, num_warps, ahead, evict, blocks, packed)
     if all(c is None for c in chosen) and N * K * elem <= LATENCY_BOUND_BYTES:
         return _latency_bound_tiling(N, K, elem, head, sms, gemv, bm)
     # the dot form's [BM, BK] fp32 prologue block stays at <= 32 registers a thread
@@ -402,7 +411,7 @@ def _tiling(M: int, N: int, K: int, elem: int, head: int, sms: int, gemv: bool |
     warps = num_warps or (_gemv_warps(bk, elem) if gemv else 8 if big else 4)
     stages = num_stages or (2 if big else None)
     return Tiling(gemv, bn, bk, _split_parts(K, bk, split)[0], warps, stages, ahead or 1, bool(evict),
-                  blocks or 1)
+                  blocks or 1, packed is not False)
 
 
 def _latency_bound_tiling(N: int, K: int, elem: int, head: int, sms: int, gemv: bool, bm: int) -> Tiling:
@@ -496,14 +505,15 @@ def _launch(prologue: str, x2: torch.Tensor, w: torch.Tensor, *, res: torch.Tens
             norm_w: torch.Tensor | None = None, eps: float = 0.0, swish: bool = True, head: int = 0,
             block_k: int | None = None, block_n: int | None = None, num_stages: int | None = None,
             gemv: bool | None = None, split_k: int | None = None, num_warps: int | None = None,
-            ahead: int | None = None, evict: bool | None = None, blocks: int | None = None) -> torch.Tensor:
+            ahead: int | None = None, evict: bool | None = None, blocks: int | None = None,
+            packed: bool | None = None) -> torch.Tensor:
     """y = prologue(x2) @ w.T for x2 [M, K*] and w [N, K]; tiling keywords left None are
     chosen by `_tiling` (head: the gated norm's head width, 0 for the others)."""
     M, (N, K) = x2.shape[0], w.shape
     if not w.is_contiguous():
         raise ValueError("the weight must be contiguous [N, K]")
     t = _tiling(M, N, K, w.element_size(), head, _sm_count(w.device), gemv, block_n, block_k, split_k,
-                num_stages, num_warps, ahead, evict, blocks)
+                num_stages, num_warps, ahead, evict, blocks, packed)
     _check(M, head, t)
     BM = triton.next_power_of_2(M) if t.gemv else max(16, triton.next_power_of_2(M))
     split, k_slice = _split_parts(K, t.block_k, t.split_k)
@@ -522,7 +532,7 @@ def _launch(prologue: str, x2: torch.Tensor, w: torch.Tensor, *, res: torch.Tens
         partials, counters, M, N, K, k_slice, eps, PROLOGUE=PROLOGUES[prologue], HAS_RES=res is not None,
         SWISH=swish, DOT=_dot_mode(w.dtype), GEMV=t.gemv, SPLIT=split, HEAD=max(head, 1),
         BM=BM, BN=t.block_n, BK=t.block_k, AHEAD=t.ahead, EVICT="evict_first" if t.evict else "",
-        BLOCKS=t.blocks, **options)
+        BLOCKS=t.blocks, VEC=min(t.block_k, 16 // w.element_size()) if t.packed else 1, **options)
     return y
 
 

@@ -736,6 +736,7 @@ PROJECTION_TILING_CASES = [
     (2, 96, 40, dict(gemv=True, block_k=32, block_n=4, ahead=2, evict=True, split_k=2)),
     (1, 128, 40, dict(gemv=True, block_k=32, block_n=8, blocks=3)),
     (2, 96, 40, dict(gemv=True, block_k=64, block_n=4, blocks=2, evict=True)),
+    (1, 128, 40, dict(gemv=True, block_k=64, block_n=8, packed=False)),
 ]
 
 
