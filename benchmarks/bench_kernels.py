@@ -518,15 +518,11 @@ class Bench:
     def gemv_sweep(self, models: tuple[str, ...] = ()) -> None:
         """The GEMV form (one row, an AR step's projections) streaming each layer's own
         weights: the default tiling against the sum over K left to after the loop (`packed`
-        False: a [BN, BK] accumulator), weight tiles two ahead (`ahead`), evict-first weight
-        loads (`evict`), several column blocks a program (`blocks`), other block shapes.
-        Records weight GB/s beside the time, to read against the copy rate."""
+        False: a [BN, BK] accumulator) and other block shapes. Records weight GB/s beside the
+        time, to read against the copy rate."""
         from kernels import triton_projection as tp
-        variants = [{}, {"packed": False}, {"ahead": 2}, {"evict": True}, {"ahead": 2, "evict": True},
-                    {"blocks": 2}, {"blocks": 4}, {"blocks": 2, "evict": True}, {"block_k": 1024},
-                    {"block_k": 1024, "num_warps": 4}, {"block_n": 4}, {"block_n": 4, "ahead": 2},
-                    {"block_n": 16}, {"block_n": 16, "evict": True}, {"block_n": 4, "split_k": 1},
-                    {"split_k": 1}, {"split_k": 1, "evict": True}]
+        variants = [{}, {"packed": False}, {"block_k": 512}, {"block_k": 1024}, {"block_n": 4},
+                    {"block_n": 16}, {"split_k": 1}]
         for model, config in projection_models().items():
             if models and model not in models:
                 continue

@@ -46,7 +46,7 @@ for stage in "$@"; do
     projection-sweep) # the fused projections' tilings against fla + cuBLAS (issue #15); QUICK=--quick halves it
       timeout "${T_PROJECTION:-420}" python3 benchmarks/bench_kernels.py --out "$R/projection" --only projection \
         ${QUICK:-} 2>&1 | tee "$R/log_projection_sweep.txt" ;;
-    gemv) # the GEMV form's streaming variants (tiles ahead, evict-first, column blocks a program), GB/s
+    gemv) # the GEMV form's tilings at one row (an AR step), weight GB/s
       timeout "${T_GEMV:-240}" python3 benchmarks/bench_kernels.py --out "$R/gemv" --only gemv \
         ${QUICK:---quick} 2>&1 | tee "$R/log_gemv.txt" ;;
     parallel) # the one-launch parallel verify against the walk and gram + solve, and PDL on the projections

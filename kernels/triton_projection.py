@@ -20,10 +20,11 @@ every op's output in the input dtype), with fp32 products accumulated in fp32;
 
 A decode step is bound by streaming the weights, so the tiling is about bytes in flight:
 
-- GEMV form (`gemv=True`, a row or two): each row's products go into a [BN, BK] fp32
-  register accumulator summed over K once after the loop, and the next weight tile is loaded
-  before the current one is used, so each program keeps two tiles of loads outstanding and
-  never waits on a cross-thread reduction inside the loop. No tensor-core operand layout.
+- GEMV form (`gemv=True`, a row or two): each thread sums its 16 bytes of a weight row into
+  a [BN, BK / 8] fp32 register accumulator inside the loop (its lanes summed across threads
+  once after it), and the next weight tile is loaded before the current one is used, so each
+  program keeps two tiles of loads outstanding and never waits on a cross-thread reduction
+  inside the loop. No tensor-core operand layout.
 - dot form (up to 64 rows): tl.dot on a 16-row (or wider) block, pipelined by `num_stages`.
 - split-K (`split_k`): when N has too few column blocks to fill the GPU, SPLIT programs per
   column block each take a slice of K and write fp32 partials; the last program of a column
@@ -129,38 +130,25 @@ def _input_block(src, rstd, eps, rows, r_mask, ks, k_mask, K, write_res, dtype: 
 
 @triton.jit
 def _packed_products(w_tile, h, BN: tl.constexpr, BK: tl.constexpr, VEC: tl.constexpr):
-    """w_tile * h summed over each run of VEC columns -> [BN, BK // VEC] fp32. A thread holds
-    VEC consecutive columns of a row (one 16-byte load), so the sum stays in the thread and
-    the accumulator takes BK / VEC registers a row instead of BK: more programs fit an SM,
-    and more weight loads are in flight."""
+    """w_tile * h [1, BK] summed over each run of VEC columns -> [BN, BK // VEC] fp32. A thread
+    holds VEC consecutive columns of a row (one 16-byte load), so the sum stays in the thread
+    and the accumulator takes BK / VEC registers a row instead of BK (the 1.3B in-projection:
+    105 registers a thread against 205, ptxas sm_90): more programs fit an SM and more weight
+    loads are in flight. VEC = 1 is a plain [BN, BK] accumulator."""
     return tl.sum(tl.reshape(w_tile.to(tl.float32) * h.to(tl.float32), [BN, BK // VEC, VEC]), axis=2)
-
-
-@triton.jit
-def _weight_tile(w_rows, c_mask, k0, k_hi, BK: tl.constexpr, EVICT: tl.constexpr):
-    """The [BN, BK] weight tile at K column k0 (zeros past k_hi). EVICT "evict_first" marks
-    the lines as first to leave L2: weights streamed once a step then do not push out the
-    activations, partials and states that the step's other kernels read back."""
-    ks = k0 + tl.arange(0, BK)
-    return tl.load(w_rows + ks[None, :], mask=c_mask[:, None] & (ks < k_hi)[None, :], other=0.0,
-                   eviction_policy=EVICT)
 
 
 @triton.jit
 def _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl.constexpr,
                 PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr, HEAD: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
-                AHEAD: tl.constexpr, EVICT: tl.constexpr, VEC: tl.constexpr):
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, VEC: tl.constexpr):
     """[BM, BN] fp32 products over the K columns [k_lo, k_hi), for one or two rows. Each row
-    has its own [BN, BK] accumulator in the weight tile's own register layout (a [BM, BN, BK]
-    one would move every tile through shared memory to a 3-D layout), summed over K once
-    after the loop; the tile AHEAD (1 or 2) steps on is loaded before this one's products,
-    so each program keeps AHEAD + 1 tiles of loads outstanding."""
+    has its own [BN, BK // VEC] accumulator in the weight tile's own register layout (a
+    [BM, BN, BK] one would move every tile through shared memory to a 3-D layout), summed
+    across threads once after the loop; the next tile is loaded before this one's products, so each program
+    keeps two tiles of loads outstanding."""
     offs = tl.arange(0, BK)
-    wb = _weight_tile(w_rows, c_mask, k_lo, k_hi, BK, EVICT)
-    wn = wb                      # the tile after wb, used when AHEAD == 2
-    if AHEAD == 2:
-        wn = _weight_tile(w_rows, c_mask, k_lo + BK, k_hi, BK, EVICT)
+    wb = tl.load(w_rows + k_lo + offs[None, :], mask=c_mask[:, None] & (k_lo + offs < k_hi)[None, :], other=0.0)
     if PDL:
         gdc_wait()
     row0 = tl.arange(0, 1)
@@ -175,7 +163,8 @@ def _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl
     acc1 = tl.zeros([BN, BK // VEC], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         ks = k0 + offs
-        w_next = _weight_tile(w_rows, c_mask, k0 + AHEAD * BK, k_hi, BK, EVICT)
+        nks = ks + BK
+        w_next = tl.load(w_rows + nks[None, :], mask=c_mask[:, None] & (nks < k_hi)[None, :], other=0.0)
         h0 = _input_block(src, rstd0, eps, row0, row0 < M, ks, ks < k_hi, K, write_res, dtype,
                           PROLOGUE, HAS_RES, SWISH, HEAD, 1, BK)
         acc0 += _packed_products(wb, h0, BN, BK, VEC)
@@ -183,75 +172,11 @@ def _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl
             h1 = _input_block(src, rstd1, eps, row1, row1 < M, ks, ks < k_hi, K, write_res, dtype,
                               PROLOGUE, HAS_RES, SWISH, HEAD, 1, BK)
             acc1 += _packed_products(wb, h1, BN, BK, VEC)
-        if AHEAD == 2:
-            wb = wn
-            wn = w_next
-        else:
-            wb = w_next
+        wb = w_next
     acc = tl.sum(acc0, axis=1)[None, :]
     if BM == 2:
         acc = tl.where(tl.arange(0, BM)[:, None] == 0, acc, tl.sum(acc1, axis=1)[None, :])
     return acc
-
-
-@triton.jit
-def _block_tile(w, first_block, it, total, KT, N, K, BN: tl.constexpr, BK: tl.constexpr, EVICT: tl.constexpr):
-    """Tile `it` of a program's flattened (column block, K tile) loop: block first_block +
-    it // KT, K tile it % KT; zeros past N, K or the program's last tile."""
-    cols = (first_block + it // KT) * BN + tl.arange(0, BN)
-    ks = (it % KT) * BK + tl.arange(0, BK)
-    mask = ((cols < N) & (it < total))[:, None] & (ks < K)[None, :]
-    return tl.load(w + cols[:, None] * K + ks[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
-
-
-@triton.jit
-def _gemv_blocks(src, w, y, y_stride, first_block, M, N, K, eps, dtype: tl.constexpr,
-                 PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr, HEAD: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
-                 EVICT: tl.constexpr, BLOCKS: tl.constexpr, VEC: tl.constexpr):
-    """y for BLOCKS consecutive column blocks from first_block, all of K (the GEMV form, one
-    or two rows), in one flattened loop over (block, K tile): the next tile is loaded across
-    block boundaries, so a program streams its whole share without the pipeline draining
-    between blocks, and the norm's 1/rms is computed once, not once a block."""
-    KT = tl.cdiv(K, BK)
-    total = BLOCKS * KT
-    offs = tl.arange(0, BK)
-    rows = tl.arange(0, BM)
-    wb = _block_tile(w, first_block, 0, total, KT, N, K, BN, BK, EVICT)
-    if PDL:
-        gdc_wait()
-    row0 = tl.arange(0, 1)
-    row1 = row0 + 1
-    rstd0 = tl.zeros([1], dtype=tl.float32)
-    rstd1 = tl.zeros([1], dtype=tl.float32)
-    if PROLOGUE == 0:
-        rstd0 = _row_rstd(src, row0, row0 < M, K, eps, HAS_RES, 1, BK)
-        if BM == 2:
-            rstd1 = _row_rstd(src, row1, row1 < M, K, eps, HAS_RES, 1, BK)
-    acc0 = tl.zeros([BN, BK // VEC], dtype=tl.float32)
-    acc1 = tl.zeros([BN, BK // VEC], dtype=tl.float32)
-    for it in range(0, total):
-        kt = it % KT
-        ks = kt * BK + offs
-        w_next = _block_tile(w, first_block, it + 1, total, KT, N, K, BN, BK, EVICT)
-        write_res = (first_block == 0) & (it < KT)
-        h0 = _input_block(src, rstd0, eps, row0, row0 < M, ks, ks < K, K, write_res, dtype,
-                          PROLOGUE, HAS_RES, SWISH, HEAD, 1, BK)
-        acc0 += _packed_products(wb, h0, BN, BK, VEC)
-        if BM == 2:
-            h1 = _input_block(src, rstd1, eps, row1, row1 < M, ks, ks < K, K, write_res, dtype,
-                              PROLOGUE, HAS_RES, SWISH, HEAD, 1, BK)
-            acc1 += _packed_products(wb, h1, BN, BK, VEC)
-        if kt == KT - 1:
-            cols = (first_block + it // KT) * BN + tl.arange(0, BN)
-            acc = tl.sum(acc0, axis=1)[None, :]
-            if BM == 2:
-                acc = tl.where(rows[:, None] == 0, acc, tl.sum(acc1, axis=1)[None, :])
-            tl.store(y + rows[:, None] * y_stride + cols[None, :], acc.to(dtype),
-                     mask=(rows < M)[:, None] & (cols < N)[None, :])
-            acc0 = tl.zeros([BN, BK // VEC], dtype=tl.float32)
-            acc1 = tl.zeros([BN, BK // VEC], dtype=tl.float32)
-        wb = w_next
 
 
 @triton.jit
@@ -282,43 +207,37 @@ def _projection_kernel(x, x_stride, res, res_stride, res_out, gate, gate_stride,
                        PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr,
                        DOT: tl.constexpr, GEMV: tl.constexpr, SPLIT: tl.constexpr, HEAD: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False,
-                       AHEAD: tl.constexpr = 1, EVICT: tl.constexpr = "", BLOCKS: tl.constexpr = 1,
-                       VEC: tl.constexpr = 8):
+                       VEC: tl.constexpr = 1):
     """y[:, BN columns] (or, split, one K slice's share of it) for all M rows.
 
     PDL (the GEMV form only): the first weight tile, which no kernel writes, is read before
     `gdc_wait`; the inputs, the split-K partials and counters, and every store after it."""
     tl.static_assert(GEMV or not PDL, "programmatic dependent launch is for the GEMV form")
-    tl.static_assert(BLOCKS == 1 or (GEMV and SPLIT == 1), "several column blocks a program: GEMV, no split")
     if PDL:
         gdc_launch_dependents()
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    cols = pid_n * BN + tl.arange(0, BN)
+    c_mask = cols < N
+    k_lo = pid_s * K_SLICE
+    k_hi = tl.minimum(K, k_lo + K_SLICE)
     src = (x, x_stride, res, res_stride, res_out, gate, gate_stride, norm_w)
-    if BLOCKS > 1:
-        _gemv_blocks(src, w, y, y_stride, tl.program_id(0) * BLOCKS, M, N, K, eps, w.dtype.element_ty,
-                     PROLOGUE, HAS_RES, SWISH, HEAD, BM, BN, BK, PDL, EVICT, BLOCKS, VEC)
+    write_res = pid_n == 0     # one column block writes x + residual, each K slice its part
+    w_rows = w + cols[:, None] * K
+    if GEMV:
+        acc = _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, w.dtype.element_ty,
+                          PROLOGUE, HAS_RES, SWISH, HEAD, BM, BN, BK, PDL, VEC)
     else:
-        pid_n = tl.program_id(0)
-        pid_s = tl.program_id(1)
-        cols = pid_n * BN + tl.arange(0, BN)
-        c_mask = cols < N
-        k_lo = pid_s * K_SLICE
-        k_hi = tl.minimum(K, k_lo + K_SLICE)
-        write_res = pid_n == 0     # one column block writes x + residual, each K slice its part
-        w_rows = w + cols[:, None] * K
-        if GEMV:
-            acc = _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, w.dtype.element_ty,
-                              PROLOGUE, HAS_RES, SWISH, HEAD, BM, BN, BK, PDL, AHEAD, EVICT, VEC)
-        else:
-            acc = _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, w.dtype.element_ty,
-                             PROLOGUE, HAS_RES, SWISH, HEAD, DOT, BM, BN, BK)
-        rows = tl.arange(0, BM)
-        out_mask = (rows < M)[:, None] & c_mask[None, :]
-        y_ptrs = y + rows[:, None] * y_stride + cols[None, :]
-        if SPLIT == 1:
-            tl.store(y_ptrs, acc.to(w.dtype.element_ty), mask=out_mask)
-        else:
-            _split_reduce(acc, partials, counters + pid_n, y_ptrs, rows[:, None] * N + cols[None, :], out_mask,
-                          pid_s, M * N, SPLIT)
+        acc = _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, w.dtype.element_ty,
+                         PROLOGUE, HAS_RES, SWISH, HEAD, DOT, BM, BN, BK)
+    rows = tl.arange(0, BM)
+    out_mask = (rows < M)[:, None] & c_mask[None, :]
+    y_ptrs = y + rows[:, None] * y_stride + cols[None, :]
+    if SPLIT == 1:
+        tl.store(y_ptrs, acc.to(w.dtype.element_ty), mask=out_mask)
+    else:
+        _split_reduce(acc, partials, counters + pid_n, y_ptrs, rows[:, None] * N + cols[None, :], out_mask,
+                      pid_s, M * N, SPLIT)
 
 
 @triton.jit
@@ -348,10 +267,7 @@ class Tiling:
     split_k: int
     num_warps: int
     num_stages: int | None = None
-    ahead: int = 1             # GEMV: weight tiles loaded ahead of the one in use
-    evict: bool = False        # GEMV: weight loads marked evict-first in L2
-    blocks: int = 1            # GEMV, no split: column blocks a program streams back to back
-    packed: bool = True        # GEMV: a thread's 16 bytes of a row summed in the loop (False: after it)
+    packed: bool = True        # GEMV: each thread's 16 bytes of a row summed inside the K loop
 
 
 def _split_parts(K: int, block_k: int, split_k: int) -> tuple[int, int]:
@@ -372,11 +288,12 @@ def _gemv_warps(block_k: int, elem: int) -> int:
 
 def _tiling(M: int, N: int, K: int, elem: int, head: int, sms: int, gemv: bool | None = None,
             block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
-            num_stages: int | None = None, num_warps: int | None = None, ahead: int | None = None,
-            evict: bool | None = None, blocks: int | None = None, packed: bool | None = None) -> Tiling:
+            num_stages: int | None = None, num_warps: int | None = None,
+            packed: bool | None = None) -> Tiling:
     """The caller's keywords, the rest chosen for a weight-streaming step: at least 2
     programs an SM, each streaming 1 KB of each weight row a K step (GEMV: 8 rows for one
-    input row, 8 KB a tile and 64 fp32 accumulators a thread; 4 rows for two) or 512 B
+    input row, 8 KB a tile; 4 rows for two; 2 KB a row where the column blocks alone do not
+    fill the GPU) or 512 B
     (tl.dot: 16 rows, 8 KB), with the next tile in flight. Too few column blocks -> split K
     while each slice keeps >= 2 K blocks (so the GEMV prefetch overlaps), then narrower GEMV
     blocks, then single-block slices, then smaller K blocks (a small matrix is latency-bound:
@@ -384,15 +301,20 @@ def _tiling(M: int, N: int, K: int, elem: int, head: int, sms: int, gemv: bool |
     gemv = M <= MAX_GEMV_ROWS if gemv is None else gemv
     kpow = triton.next_power_of_2(K)
     bm = triton.next_power_of_2(M) if gemv else max(16, triton.next_power_of_2(M))
-    chosen = (block_n, block_k, split_k, num_stages, num_warps, ahead, evict, blocks, packed)
+    chosen = (block_n, block_k, split_k, num_stages, num_warps, packed)
     if all(c is None for c in chosen) and N * K * elem <= LATENCY_BOUND_BYTES:
         return _latency_bound_tiling(N, K, elem, head, sms, gemv, bm)
     # the dot form's [BM, BK] fp32 prologue block stays at <= 32 registers a thread
     bk = block_k or max(head, 16, min(kpow, 1024 // elem if gemv else min(512 // elem, 4096 // bm)))
     bn = block_n or (max(4, 8 // bm) if gemv else 16)
+    if gemv and block_k is None and triton.cdiv(N, bn) < 2 * sms:
+        # few column blocks (the 1.3B shape's out and down projections): 2 KB of a weight row
+        # a tile, then split K. The H200 sweep of session 13: 5.8 and 9.9 us a layer against
+        # 7.6 and 14.1 with 1 KB tiles (benchmarks/results/h200/session13/)
+        bk = max(head, 16, min(kpow, 2048 // elem))
     min_bk = max(head, 512 // elem if gemv else 256 // elem)   # GEMV: one warp of 16-byte loads
     split = split_k or 1
-    while split_k is None and (blocks or 1) == 1 and triton.cdiv(N, bn) * split < 2 * sms:
+    while split_k is None and triton.cdiv(N, bn) * split < 2 * sms:
         k_blocks = triton.cdiv(K, bk)
         if k_blocks >= 4 * split and split < MAX_SPLIT:
             split *= 2
@@ -410,8 +332,7 @@ def _tiling(M: int, N: int, K: int, elem: int, head: int, sms: int, gemv: bool |
     big = not gemv and bm * bk * elem > 16384
     warps = num_warps or (_gemv_warps(bk, elem) if gemv else 8 if big else 4)
     stages = num_stages or (2 if big else None)
-    return Tiling(gemv, bn, bk, _split_parts(K, bk, split)[0], warps, stages, ahead or 1, bool(evict),
-                  blocks or 1, packed is not False)
+    return Tiling(gemv, bn, bk, _split_parts(K, bk, split)[0], warps, stages, packed is not False)
 
 
 def _latency_bound_tiling(N: int, K: int, elem: int, head: int, sms: int, gemv: bool, bm: int) -> Tiling:
@@ -491,11 +412,6 @@ def _check(M: int, head: int, t: Tiling) -> None:
         raise ValueError(f"block_k {t.block_k}: the gated norm's K block is whole heads of {head}")
     if triton.next_power_of_2(t.block_k) != t.block_k or triton.next_power_of_2(t.block_n) != t.block_n:
         raise ValueError(f"block_k {t.block_k}, block_n {t.block_n}: powers of two")
-    if t.ahead not in (1, 2) or (t.ahead == 2 and not t.gemv):
-        raise ValueError(f"ahead {t.ahead}: the GEMV form loads 1 or 2 weight tiles ahead")
-    if t.blocks < 1 or (t.blocks > 1 and (not t.gemv or t.split_k > 1 or t.ahead > 1)):
-        raise ValueError(f"blocks {t.blocks}: several column blocks a program is the GEMV form's, "
-                         "unsplit, one tile ahead")
     if not t.gemv and min(t.block_k, t.block_n) < 16:
         raise ValueError(f"block_k {t.block_k}, block_n {t.block_n}: tl.dot takes 16 at least")
 
@@ -505,7 +421,6 @@ def _launch(prologue: str, x2: torch.Tensor, w: torch.Tensor, *, res: torch.Tens
             norm_w: torch.Tensor | None = None, eps: float = 0.0, swish: bool = True, head: int = 0,
             block_k: int | None = None, block_n: int | None = None, num_stages: int | None = None,
             gemv: bool | None = None, split_k: int | None = None, num_warps: int | None = None,
-            ahead: int | None = None, evict: bool | None = None, blocks: int | None = None,
             packed: bool | None = None) -> torch.Tensor:
     """y = prologue(x2) @ w.T for x2 [M, K*] and w [N, K]; tiling keywords left None are
     chosen by `_tiling` (head: the gated norm's head width, 0 for the others)."""
@@ -513,7 +428,7 @@ def _launch(prologue: str, x2: torch.Tensor, w: torch.Tensor, *, res: torch.Tens
     if not w.is_contiguous():
         raise ValueError("the weight must be contiguous [N, K]")
     t = _tiling(M, N, K, w.element_size(), head, _sm_count(w.device), gemv, block_n, block_k, split_k,
-                num_stages, num_warps, ahead, evict, blocks, packed)
+                num_stages, num_warps, packed)
     _check(M, head, t)
     BM = triton.next_power_of_2(M) if t.gemv else max(16, triton.next_power_of_2(M))
     split, k_slice = _split_parts(K, t.block_k, t.split_k)
@@ -525,14 +440,14 @@ def _launch(prologue: str, x2: torch.Tensor, w: torch.Tensor, *, res: torch.Tens
         options.update(launch_options(w.device))
     if t.num_stages is not None:
         options["num_stages"] = t.num_stages
-    _projection_kernel[(triton.cdiv(n_blocks, t.blocks), split)](
+    _projection_kernel[(n_blocks, split)](
         x2, x2.stride(0), res if res is not None else y, res.stride(0) if res is not None else 0,
         res_out if res_out is not None else y, gate if gate is not None else y,
         gate.stride(0) if gate is not None else 0, norm_w if norm_w is not None else y, w, y, y.stride(0),
         partials, counters, M, N, K, k_slice, eps, PROLOGUE=PROLOGUES[prologue], HAS_RES=res is not None,
         SWISH=swish, DOT=_dot_mode(w.dtype), GEMV=t.gemv, SPLIT=split, HEAD=max(head, 1),
-        BM=BM, BN=t.block_n, BK=t.block_k, AHEAD=t.ahead, EVICT="evict_first" if t.evict else "",
-        BLOCKS=t.blocks, VEC=min(t.block_k, 16 // w.element_size()) if t.packed else 1, **options)
+        BM=BM, BN=t.block_n, BK=t.block_k, VEC=min(t.block_k, 16 // w.element_size()) if t.packed else 1,
+        **options)
     return y
 
 

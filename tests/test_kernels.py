@@ -259,8 +259,7 @@ def projection_test_tilings(M: int) -> list[dict]:
     if M <= 2:
         tilings += [{"gemv": True, "split_k": 1}, {"gemv": True, "split_k": 4, "block_n": 4},
                     {"gemv": True, "block_k": 256, "block_n": 8 // M, "split_k": 2},
-                    {"gemv": True, "block_k": 256, "ahead": 2, "evict": True, "split_k": 1},
-                    {"gemv": True, "block_k": 256, "block_n": 4, "blocks": 3, "split_k": 1}]
+                    {"gemv": True, "block_k": 256, "packed": False, "split_k": 1}]
     return tilings
 
 
@@ -730,13 +729,7 @@ PROJECTION_TILING_CASES = [
     (9, 128, 40, dict(gemv=False, block_k=32, split_k=2)),
     (9, 128, 33, dict(gemv=False, block_k=32, block_n=16, split_k=4)),
     (9, 96, 40, dict(gemv=False, block_k=32, split_k=4)),
-    # two tiles ahead (past the end of K: masked), evict-first weights, several column
-    # blocks a program (N = 40 in blocks of 8: the last program's third block is past N)
-    (1, 128, 40, dict(gemv=True, block_k=32, block_n=8, ahead=2)),
-    (2, 96, 40, dict(gemv=True, block_k=32, block_n=4, ahead=2, evict=True, split_k=2)),
-    (1, 128, 40, dict(gemv=True, block_k=32, block_n=8, blocks=3)),
-    (2, 96, 40, dict(gemv=True, block_k=64, block_n=4, blocks=2, evict=True)),
-    (1, 128, 40, dict(gemv=True, block_k=64, block_n=8, packed=False)),
+    (1, 128, 40, dict(gemv=True, block_k=64, block_n=8, packed=False)),   # the sum after the loop
 ]
 
 
