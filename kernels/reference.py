@@ -241,6 +241,25 @@ def conv_gates_ref(x: torch.Tensor, window: torch.Tensor, index: torch.Tensor, w
     return q, k, v.unflatten(-1, (H, head_v_dim)), g, beta
 
 
+def conv_recurrent_step_ref(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                            a: torch.Tensor, b: torch.Tensor, neg_A: torch.Tensor, dt_bias: torch.Tensor,
+                            S: torch.Tensor, head_dim: int, head_v_dim: int, neg_eigval: bool = False):
+    """One AR token from the input projection's conv inputs to the recurrence output.
+
+    x [1, 1, C]; cache [1, C, W] the last W conv inputs, newest last (its oldest is no longer
+    needed); a, b [1, 1, H]; S [1, H, K, V] fp32. Returns (o [1, 1, H, V] fp32, the new state,
+    the new cache: the conv inputs shifted by one with x newest).
+    """
+    W = cache.shape[-1]
+    index = torch.arange(W, device=x.device).view(1, W)
+    q, k, v, g, beta = conv_gates_ref(x, cache[..., 1:], index, weight, bias, a, b, neg_A, dt_bias,
+                                      head_dim, head_v_dim, neg_eigval)
+    S, _ = gated_delta_step(S.float(), k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+    o = (S * q[:, 0][..., None]).sum(-2)
+    new_cache = torch.cat([cache[..., 1:], x.transpose(1, 2).to(cache.dtype)], dim=-1)
+    return o[:, None], S, new_cache
+
+
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + x), residual + x), the model's arithmetic: the add rounds to x's

@@ -1,5 +1,7 @@
 """One Triton kernel for everything between a layer's input projection and its recurrence,
-over all nodes of a draft: `conv_gates_ref` in `kernels/reference.py`.
+over all nodes of a draft: `conv_gates_ref` in `kernels/reference.py`. And, for one AR token
+of a model with small heads, that and the recurrence step in one launch:
+`conv_recurrent_step_ref`.
 
 Why: in a verification forward these steps are ~20 tiny torch ops per layer (the gather of
 each node's ancestor window, the conv, SiLU, two l2 norms, softplus, sigmoid, dtype casts,
@@ -124,3 +126,89 @@ def conv_gates(x: torch.Tensor, window: torch.Tensor, index: torch.Tensor, weigh
         BW=triton.next_power_of_2(W), HAS_BIAS=bias is not None, NEG_EIGVAL=neg_eigval,
         COPY_X=x_out is not None, num_warps=4 if max(K, V) >= 256 else 2)
     return q, k, v, g, beta
+
+
+@triton.jit
+def _shift_window(cache, stride, x, channels, c_mask, o_w, w_mask, W: tl.constexpr):
+    """cache[c, :] <- cache[c, 1:] + [x[c]] for `channels`: the conv inputs, x newest. Every
+    thread's loads land before any thread's store (the slots overlap)."""
+    older = tl.load(cache + channels[None, :] * stride + o_w[:, None] + 1,
+                    mask=(o_w < W - 1)[:, None] & c_mask[None, :], other=0.0)
+    newest = tl.load(x + channels, mask=c_mask, other=0.0).to(older.dtype)
+    shifted = tl.where((o_w == W - 1)[:, None], newest[None, :], older)
+    tl.debug_barrier()
+    tl.store(cache + channels[None, :] * stride + o_w[:, None], shifted, mask=w_mask[:, None] & c_mask[None, :])
+
+
+@triton.jit
+def _conv_recurrent_step_kernel(x, cache, cache_stride, weight, bias, a, b, neg_A, dt_bias, S, o, scale,
+                                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+                                BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
+                                HAS_BIAS: tl.constexpr, NEG_EIGVAL: tl.constexpr):
+    """One head: conv + SiLU of its q, k, v channels, the gates, the delta-rule step on its
+    [K, V] state in V tiles of BV, and the shift of its conv inputs. One program owns all of a
+    head's channels, so no program reads a conv window another one is shifting."""
+    h = tl.program_id(0)
+    o_w = tl.arange(0, BW)
+    w_mask = o_w < W
+    in_window = o_w < W - 1            # rows 0..W-2: cache slots 1..W-1; row W-1: x
+    o_k = tl.arange(0, BK)
+    k_mask = o_k < K
+    q_ch = h * K + o_k
+    k_ch = H * K + h * K + o_k
+    window = cache + 1
+    q = _node_conv(x, 0, window, cache_stride, weight, bias, o_w, in_window, o_w, w_mask, q_ch, k_mask, W, HAS_BIAS)
+    k = _node_conv(x, 0, window, cache_stride, weight, bias, o_w, in_window, o_w, w_mask, k_ch, k_mask, W, HAS_BIAS)
+    q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)) * scale
+    k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6))
+    raw_a = tl.load(a + h).to(tl.float32) + tl.load(dt_bias + h).to(tl.float32)
+    softplus = tl.where(raw_a > 20.0, raw_a, tl.log(1.0 + tl.exp(tl.minimum(raw_a, 20.0))))
+    decay = tl.exp(tl.load(neg_A + h).to(tl.float32) * softplus)
+    beta = tl.sigmoid(tl.load(b + h).to(tl.float32))
+    if NEG_EIGVAL:
+        beta = beta * 2.0
+    for v0 in range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        v_mask = o_v < V
+        v = _node_conv(x, 0, window, cache_stride, weight, bias, o_w, in_window, o_w, w_mask,
+                       2 * H * K + h * V + o_v, v_mask, W, HAS_BIAS)
+        tile = S + h * K * V + o_k[:, None] * V + o_v[None, :]
+        mask = k_mask[:, None] & v_mask[None, :]
+        s = tl.load(tile, mask=mask, other=0.0) * decay
+        delta = beta * (v - tl.sum(s * k[:, None], axis=0))
+        s = s + k[:, None] * delta[None, :]
+        tl.store(tile, s, mask=mask)
+        tl.store(o + h * V + o_v, tl.sum(s * q[:, None], axis=0), mask=v_mask)
+    tl.debug_barrier()          # every conv above has read the window before it shifts
+    _shift_window(cache, cache_stride, x, q_ch, k_mask, o_w, w_mask, W)
+    _shift_window(cache, cache_stride, x, k_ch, k_mask, o_w, w_mask, W)
+    for v0 in range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        _shift_window(cache, cache_stride, x, 2 * H * K + h * V + o_v, o_v < V, o_w, w_mask, W)
+
+
+def conv_recurrent_step(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        a: torch.Tensor, b: torch.Tensor, neg_A: torch.Tensor, dt_bias: torch.Tensor,
+                        S: torch.Tensor, head_dim: int, head_v_dim: int, neg_eigval: bool = False,
+                        block_v: int | None = None) -> torch.Tensor:
+    """`conv_recurrent_step_ref` in one launch, S and cache updated in place: x [1,1,C] and
+    a, b [1,1,H] may be column slices of one projection row; cache [1,C,W] contiguous; S
+    [1,H,K,V] fp32 contiguous. Returns o [1,1,H,V] fp32. One program a head: meant for small
+    heads (a launch-bound step), where a head's state is a few register tiles."""
+    C, W = cache.shape[1], cache.shape[2]
+    H, K, V = a.shape[-1], head_dim, head_v_dim
+    if x.shape != (1, 1, C) or C != H * (2 * K + V) or weight.shape != (C, W):
+        raise ValueError(f"conv_recurrent_step: x {tuple(x.shape)}, cache {tuple(cache.shape)}, weight "
+                         f"{tuple(weight.shape)} do not fit H={H}, K={K}, V={V}")
+    if S.shape != (1, H, K, V) or S.dtype != torch.float32 or not S.is_contiguous():
+        raise ValueError(f"conv_recurrent_step: S must be a contiguous fp32 [1, {H}, {K}, {V}] state")
+    if not cache.is_contiguous() or x.stride(-1) != 1:
+        raise ValueError("conv_recurrent_step: the cache must be contiguous and x's channels contiguous")
+    o = torch.empty(1, 1, H, V, device=x.device, dtype=torch.float32)
+    BK = triton.next_power_of_2(K)
+    BV = block_v or min(triton.next_power_of_2(V), max(16, 4096 // BK))    # <= 4096 state values a tile
+    _conv_recurrent_step_kernel[(H,)](
+        x, cache, cache.stride(1), weight.contiguous(), bias, a, b, neg_A, dt_bias, S, o, K ** -0.5,
+        H=H, K=K, V=V, W=W, BK=BK, BV=BV, BW=triton.next_power_of_2(W), HAS_BIAS=bias is not None,
+        NEG_EIGVAL=neg_eigval, num_warps=4)
+    return o

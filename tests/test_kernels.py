@@ -744,6 +744,13 @@ def interpreter_cases(group: str):
                            lambda p=parents, H=H, K=K, V=V, W=W, dt=dtype, bias=bias: check_conv_gates(
                                p, H, K, V, W, dt, bias, dev, seed=len(p) + H))
         return
+    if group == "step":        # tests/test_conv_recurrent_step.py
+        from tests.test_conv_recurrent_step import check_conv_recurrent_step
+        for H, K, V, W, bias, neg, bv in ((2, 16, 32, 4, False, False, 16), (3, 16, 16, 3, True, True, None)):
+            for dtype in (torch.float32, torch.bfloat16):
+                yield (f"conv_recurrent_step-H{H}-K{K}-V{V}-W{W}-BV{bv}-{dtype}", lambda a=(H, K, V, W, dtype, bias, neg): (
+                    check_conv_recurrent_step(*a, dev, seed=a[0], block_v=bv)))
+        return
     if group == "lilicorr":
         for N, S, V, k in ((1, 7, 4096, 8), (2, 3, 50, 4), (1, 15, 300, 1)):
             yield f"lattice_topk-N{N}-S{S}-V{V}-k{k}", lambda a=(N, S, V, k): check_lattice_topk(*a, dev)
@@ -832,7 +839,8 @@ def run_interpreter_group(group: str) -> int:
     return failures
 
 
-@pytest.mark.parametrize("group", ["chain", "tree", "hybrid", "commit", "conv_gates", "lilicorr", "projection"])
+@pytest.mark.parametrize("group", ["chain", "tree", "hybrid", "commit", "conv_gates", "step", "lilicorr",
+                                   "projection"])
 def test_interpreter(group):
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
@@ -847,7 +855,7 @@ if __name__ == "__main__":
         if os.environ.get("TRITON_INTERPRET") != "1":
             sys.exit("set TRITON_INTERPRET=1 (before triton is imported) to run on the CPU")
         sys.exit(1 if run_interpreter_group(sys.argv[2]) else 0)
-    sys.exit(f"usage: TRITON_INTERPRET=1 python {sys.argv[0]} --interpreter chain|tree|hybrid|commit|conv_gates|lilicorr|projection")
+    sys.exit(f"usage: TRITON_INTERPRET=1 python {sys.argv[0]} --interpreter chain|tree|hybrid|commit|conv_gates|step|lilicorr|projection")
 
 
 def test_head_dims_outside_the_kernels_run_the_references():

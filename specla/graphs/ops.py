@@ -148,6 +148,23 @@ class TorchOps:
         return (S * q[..., None]).sum(-2)[:, None]
 
 
+    def conv_recurrent_step(self, x, cache, a, b, S, layer: PackedLayer, config: GDNConfig, index1):
+        """One AR token from the conv inputs x [1,1,C] to the recurrence output [1,1,H,V]: the
+        conv step (cache [1,C,W] shifted in place) then the recurrence step (S in place)."""
+        H, K = config.num_heads, config.head_dim
+        qkv = self.conv_step(x, cache, layer.conv_w, layer.conv_b, index1)
+        q, k, v = qkv.split([H * K, H * K, H * config.head_v_dim], dim=-1)
+        return self.recurrent_step(q.unflatten(-1, (H, K)), k.unflatten(-1, (H, K)),
+                                   v.unflatten(-1, (H, config.head_v_dim)), a, b, S, layer, config)
+
+
+# Heads up to this many state values (K x V) take the one-launch AR step: one program a head
+# then holds its state in a few register tiles. The GDN-1.3B shape's 256 x 256 heads keep
+# fla's kernels, whose grid spreads a head's V columns over many programs (the conv window's
+# shift is why the fused step cannot: every V tile of a head reads it).
+FUSED_STEP_MAX_STATE = 128 * 128
+
+
 class FlaOps(TorchOps):
     """fla's fused Triton kernels: residual add + RMSNorm in one kernel, the conv update in
     place on the cache, the whole recurrence (l2norm, gates, beta, state update) in one
@@ -205,6 +222,16 @@ class FlaOps(TorchOps):
     def conv_step(self, x, cache, weight, bias, index1):
         y, _ = self._conv_update(x=x, cache=cache, weight=weight, bias=bias, activation="silu")
         return y
+
+    def conv_recurrent_step(self, x, cache, a, b, S, layer: PackedLayer, config: GDNConfig, index1):
+        """Small heads (a launch-bound step): the conv, the gates and the recurrence in one
+        launch (`kernels.triton_conv_gates.conv_recurrent_step`), against fla's two."""
+        if config.head_dim * config.head_v_dim > FUSED_STEP_MAX_STATE:
+            return super().conv_recurrent_step(x, cache, a, b, S, layer, config, index1)
+        from kernels.triton_conv_gates import conv_recurrent_step
+
+        return conv_recurrent_step(x, cache, layer.conv_w, layer.conv_b, a, b, layer.neg_A, layer.dt_bias,
+                                   S, config.head_dim, config.head_v_dim, config.allow_neg_eigval)
 
     def recurrent_step(self, q, k, v, a, b, S, layer: PackedLayer, config: GDNConfig):
         scale = config.head_dim ** -0.5
@@ -340,6 +367,12 @@ def check_ops(ops: TorchOps, config: GDNConfig, device, dtype, seed: int = 0) ->
     close("recurrent_step", ops.recurrent_step(q, k, v, a, b, S1, layer, config),
           ref.recurrent_step(q, k, v, a, b, S2, layer, config), tol)
     close("recurrent_step state", S1, S2, 1e-4 if dtype == torch.float32 else 2e-3)
+    a1, b1, cache3 = rnd(1, 1, H), rnd(1, 1, H), rnd(1, C, W)
+    cache4 = cache3.clone()
+    close("conv_recurrent_step", ops.conv_recurrent_step(xin, cache3, a1, b1, S1, layer, config, index1),
+          ref.conv_recurrent_step(xin, cache4, a1, b1, S2, layer, config, index1), tol)
+    close("conv_recurrent_step state", S1, S2, 1e-4 if dtype == torch.float32 else 2e-3)
+    close("conv_recurrent_step cache", cache3, cache4, tol)
     # the verify forward's conv + gates: 5 nodes of a small tree, projections strided as
     # slices of one matrix product's output
     N, G = 5, 2 * H + 3

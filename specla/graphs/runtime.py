@@ -89,14 +89,6 @@ class PackedTarget:
         gate = y[..., C:C + G] if G else None
         return conv_in, gate, y[..., C + G:C + G + H], y[..., C + G + H:C + G + 2 * H]
 
-    def split_qkv(self, qkv):
-        c = self.config
-        B, N = qkv.shape[:2]
-        q = qkv[..., :c.key_dim].view(B, N, c.num_heads, c.head_dim)
-        k = qkv[..., c.key_dim:2 * c.key_dim].view(B, N, c.num_heads, c.head_dim)
-        v = qkv[..., 2 * c.key_dim:].view(B, N, c.num_heads, c.head_v_dim)
-        return q, k, v
-
     def attn_out(self, o, gate, layer: PackedLayer):
         c = self.config
         return self.ops.gated_norm_linear(o, gate, layer.o_norm, c.norm_eps, c.output_gate_activation, layer.w_o)
@@ -113,9 +105,7 @@ class PackedTarget:
         for l, layer in enumerate(self.layers):
             y, residual = ops.norm_linear(x, layer.attn_norm, c.norm_eps, residual, layer.w_in)
             conv_in, gate, a, b = self.split_in(y)
-            qkv = ops.conv_step(conv_in, state.conv[l], layer.conv_w, layer.conv_b, self.index1)
-            q, k, v = self.split_qkv(qkv)
-            o = ops.recurrent_step(q, k, v, a, b, state.recurrent[l], layer, c)
+            o = ops.conv_recurrent_step(conv_in, state.conv[l], a, b, state.recurrent[l], layer, c, self.index1)
             x, residual = self.mlp(self.attn_out(o, gate, layer), residual, layer)
         h, _ = ops.rms_norm(x, self.norm_w, c.norm_eps, residual)
         return self.head(h)
