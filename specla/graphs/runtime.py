@@ -124,6 +124,10 @@ class PackedTarget:
         x, residual, feats = F.embedding(tokens.clamp(min=0), self.embed), None, []
         for l, layer in enumerate(self.layers):
             y, residual = ops.norm_linear(x, layer.attn_norm, c.norm_eps, residual, layer.w_in)
+            if l > 0 and l - 1 in feature_layers:
+                # block l-1's output as the model returns it (residual + x), which this norm
+                # has just summed: no separate add
+                feats.append(residual)
             conv_in, gate, a, b = self.split_in(y)
             out = None if factors is None else (factors.k[l], factors.g[l], factors.conv_in[l])
             q, k, v, g, beta = ops.conv_gates(conv_in, a, b, state.conv[l][..., 1:], conv_index,
@@ -136,9 +140,9 @@ class PackedTarget:
             if factors is not None and delta is not factors.delta[l]:
                 factors.delta[l].copy_(delta)
             x, residual = self.mlp(self.attn_out(o, gate, layer), residual, layer)
-            if l in feature_layers:
-                feats.append(residual + x)        # the block's output, as the model returns it
-        h, _ = ops.rms_norm(x, self.norm_w, c.norm_eps, residual)
+        h, residual = ops.rms_norm(x, self.norm_w, c.norm_eps, residual)
+        if len(self.layers) - 1 in feature_layers:
+            feats.append(residual)
         features = torch.stack(feats, dim=2)[0] if feats else None
         return self.head(h), h[0], features
 
