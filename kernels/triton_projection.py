@@ -234,7 +234,7 @@ def _projection_kernel(x, x_stride, res, res_stride, res_out, gate, gate_stride,
     out_mask = (rows < M)[:, None] & c_mask[None, :]
     y_ptrs = y + rows[:, None] * y_stride + cols[None, :]
     if SPLIT == 1:
-        tl.store(y_ptrs, acc.to(w.dtype.element_ty), mask=out_mask)
+        tl.store(y_ptrs, acc.to(y.dtype.element_ty), mask=out_mask)
     else:
         _split_reduce(acc, partials, counters + pid_n, y_ptrs, rows[:, None] * N + cols[None, :], out_mask,
                       pid_s, M * N, SPLIT)
@@ -421,9 +421,10 @@ def _launch(prologue: str, x2: torch.Tensor, w: torch.Tensor, *, res: torch.Tens
             norm_w: torch.Tensor | None = None, eps: float = 0.0, swish: bool = True, head: int = 0,
             block_k: int | None = None, block_n: int | None = None, num_stages: int | None = None,
             gemv: bool | None = None, split_k: int | None = None, num_warps: int | None = None,
-            packed: bool | None = None) -> torch.Tensor:
-    """y = prologue(x2) @ w.T for x2 [M, K*] and w [N, K]; tiling keywords left None are
-    chosen by `_tiling` (head: the gated norm's head width, 0 for the others)."""
+            packed: bool | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y = prologue(x2) @ w.T for x2 [M, K*] and w [N, K], in out_dtype (default w's);
+    tiling keywords left None are chosen by `_tiling` (head: the gated norm's head width, 0
+    for the others)."""
     M, (N, K) = x2.shape[0], w.shape
     if not w.is_contiguous():
         raise ValueError("the weight must be contiguous [N, K]")
@@ -433,7 +434,7 @@ def _launch(prologue: str, x2: torch.Tensor, w: torch.Tensor, *, res: torch.Tens
     BM = triton.next_power_of_2(M) if t.gemv else max(16, triton.next_power_of_2(M))
     split, k_slice = _split_parts(K, t.block_k, t.split_k)
     n_blocks = triton.cdiv(N, t.block_n)
-    y = torch.empty(M, N, device=x2.device, dtype=w.dtype)
+    y = torch.empty(M, N, device=x2.device, dtype=out_dtype or w.dtype)
     partials, counters = _scratch(w.device, split, M, N, n_blocks) if split > 1 else (y, y)
     options = {"num_warps": t.num_warps}
     if t.gemv:      # kernels/pdl.py: its first weight tile loads before the wait
@@ -454,7 +455,8 @@ def _launch(prologue: str, x2: torch.Tensor, w: torch.Tensor, *, res: torch.Tens
 def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, residual: torch.Tensor | None,
                 w: torch.Tensor, **blocks) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) @ w.T, x + residual) for x [..., K], w [N, K]. `blocks`
-    (block_k, block_n, num_stages, gemv, split_k) override the kernel's tiling."""
+    (block_k, block_n, num_stages, gemv, split_k) override the kernel's tiling; out_dtype
+    (say fp32 logits from an LM head) that of the product, w's by default."""
     x2 = _rows(x)
     res2 = _rows(residual) if residual is not None else None
     summed = torch.empty_like(x2) if residual is not None else x2

@@ -730,6 +730,7 @@ PROJECTION_TILING_CASES = [
     (9, 128, 33, dict(gemv=False, block_k=32, block_n=16, split_k=4)),
     (9, 96, 40, dict(gemv=False, block_k=32, split_k=4)),
     (1, 128, 40, dict(gemv=True, block_k=64, block_n=8, packed=False)),   # the sum after the loop
+    (2, 96, 40, dict(out_dtype=torch.float32)),                           # fp32 out of bf16 weights
 ]
 
 

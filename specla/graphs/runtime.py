@@ -107,8 +107,7 @@ class PackedTarget:
             conv_in, gate, a, b = self.split_in(y)
             o = ops.conv_recurrent_step(conv_in, state.conv[l], a, b, state.recurrent[l], layer, c, self.index1)
             x, residual = self.mlp(self.attn_out(o, gate, layer), residual, layer)
-        h, _ = ops.rms_norm(x, self.norm_w, c.norm_eps, residual)
-        return self.head(h)
+        return ops.norm_logits(x, self.norm_w, c.norm_eps, residual, self.lm_head, self.head)
 
     def tree_forward(self, tokens: torch.Tensor, state: StaticState, conv_index: torch.Tensor,
                      verify_fn: Callable, factors: Factors | None = None,
