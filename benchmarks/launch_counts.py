@@ -33,6 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kernels import pdl  # noqa: E402
+from specla.graphs import ops as graph_ops  # noqa: E402
+from specla.graphs.ops import FUSED_STEP_MAX_STATE  # noqa: E402
 from specla import runner  # noqa: E402
 from specla.acceptance import read_prompts  # noqa: E402
 from specla.decode import DecodeSettings  # noqa: E402
@@ -165,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ops", default="auto",
                    help="the target's per-layer ops, one set or several to compare: auto | fla | fused | torch; "
                         "a +nopdl suffix (fused+nopdl) launches the GEMV projections without programmatic "
-                        "dependent launch (kernels/pdl.py)")
+                        "dependent launch (kernels/pdl.py); +nostep runs a small-headed AR token's conv and "
+                        "recurrence as two launches (fla's), not one (kernels/triton_conv_gates.py)")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
     p.add_argument("--speed-limit", type=int, default=8)
     p.add_argument("--tokens", type=int, default=128)
@@ -184,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         result["speed"] = {"prompt_file": str(args.speed_prompts), "prompts": len(texts), "new_tokens": args.tokens}
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.ops.split(","):
-        ops, _, flag = name.partition("+")
-        pdl.use_pdl(flag != "nopdl")
+        ops, *flags = name.split("+")
+        pdl.use_pdl("nopdl" not in flags)
+        graph_ops.FUSED_STEP_MAX_STATE = 0 if "nostep" in flags else FUSED_STEP_MAX_STATE
         try:
             variant, engine = count_bodies(runtime, ops, args)
             variant["pdl"] = pdl.pdl_applies(runtime.device)
@@ -195,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"speedup {variant['speed']['speedup']:.3f}x", flush=True)
         finally:
             pdl.use_pdl(True)
+            graph_ops.FUSED_STEP_MAX_STATE = FUSED_STEP_MAX_STATE
         result["variants"][name] = variant
         (args.out / "launch_counts.json").write_text(json.dumps(result, indent=1))   # kept if a later set fails
     return 0
