@@ -391,7 +391,9 @@ def check_ops(ops: TorchOps, config: GDNConfig, device, dtype, seed: int = 0) ->
     cache4 = cache3.clone()
     close("conv_recurrent_step", ops.conv_recurrent_step(xin, cache3, a1, b1, S1, layer, config, index1),
           ref.conv_recurrent_step(xin, cache4, a1, b1, S2, layer, config, index1), tol)
-    close("conv_recurrent_step state", S1, S2, 1e-4 if dtype == torch.float32 else 2e-3)
+    # bf16: a conv output one rounding away from the reference's (its 4-term sum in another
+    # order) moves that column of the state by beta * one ulp of v: the projections' tolerance
+    close("conv_recurrent_step state", S1, S2, tol)
     close("conv_recurrent_step cache", cache3, cache4, tol)
     # the verify forward's conv + gates: 5 nodes of a small tree, projections strided as
     # slices of one matrix product's output
