@@ -500,20 +500,30 @@ class Bench:
                     head = config.head_v_dim if prologue == "gated_norm" else 0
                     picked = tp.picked_tiling(M, N, K, torch.bfloat16, head, self.dev)
                     for blocks in projection_tilings(prologue, K, self.replays < 40, M, head):
-                        try:
-                            got = project(tp, prologue, inputs[0], **blocks)
-                            err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-                        except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: record, go on
-                            self.errors.append({"name": "projection_fused", **info, **blocks,
-                                                "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
-                            self.log(f"FAILED projection {info} {blocks}: {type(exc).__name__}")
-                            continue
-                        if err > 2e-2:
-                            self.errors.append({"name": "projection_fused", **info, **blocks,
-                                                "error": f"relative error {err:.3g} against fla + cuBLAS"})
+                        err = self.projection_error("projection_fused", prologue, inputs[0], want,
+                                                    {**info, **blocks}, **blocks)
+                        if err is None:
                             continue
                         self.run("projection_fused", lambda l, i=inputs, b=blocks: project(tp, prologue, i[l], **b),
                                  **info, **(blocks or {"default": picked}), rel_err=err)
+
+    def projection_error(self, name: str, prologue: str, inputs: dict, want: torch.Tensor, info: dict,
+                         **blocks) -> float | None:
+        """Max relative error of the fused projection with tiling `blocks` against `want`, or
+        None, with the reason recorded, when it fails (out of shared memory, say) or leaves
+        the reference by more than 2e-2."""
+        from kernels import triton_projection as tp
+        try:
+            got = project(tp, prologue, inputs, **blocks)
+        except Exception as exc:  # noqa: BLE001 - record, go on
+            self.errors.append({"name": name, **info, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            self.log(f"FAILED {name} {info}: {type(exc).__name__}")
+            return None
+        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        if err > 2e-2:
+            self.errors.append({"name": name, **info, "error": f"relative error {err:.3g} against the reference"})
+            return None
+        return err
 
     def gemv_sweep(self, models: tuple[str, ...] = ()) -> None:
         """The GEMV form (one row, an AR step's projections) streaming each layer's own
@@ -535,11 +545,8 @@ class Bench:
                     if head and blocks.get("block_k", head) % head:
                         continue
                     info = dict(model=model, projection=proj, M=1, K=K, N=N, **(blocks or {"default": picked}))
-                    try:
-                        got = project(tp, prologue, inputs[0], gemv=True, **blocks)
-                        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-                    except Exception as exc:  # noqa: BLE001 - record, go on
-                        self.errors.append({"name": "gemv", **info, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                    err = self.projection_error("gemv", prologue, inputs[0], want, info, gemv=True, **blocks)
+                    if err is None:
                         continue
                     rec = self.run("gemv", lambda l, i=inputs, b=blocks: project(tp, prologue, i[l], gemv=True, **b),
                                    **info, rel_err=err)

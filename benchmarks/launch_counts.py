@@ -34,7 +34,6 @@ sys.path.insert(0, str(ROOT))
 
 from kernels import pdl  # noqa: E402
 from specla.graphs import ops as graph_ops  # noqa: E402
-from specla.graphs.ops import FUSED_STEP_MAX_STATE  # noqa: E402
 from specla import runner  # noqa: E402
 from specla.acceptance import read_prompts  # noqa: E402
 from specla.decode import DecodeSettings  # noqa: E402
@@ -186,10 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         texts = read_prompts(args.speed_prompts, args.speed_limit)
         result["speed"] = {"prompt_file": str(args.speed_prompts), "prompts": len(texts), "new_tokens": args.tokens}
     args.out.mkdir(parents=True, exist_ok=True)
+    step_max_state = graph_ops.FUSED_STEP_MAX_STATE
     for name in args.ops.split(","):
         ops, *flags = name.split("+")
         pdl.use_pdl("nopdl" not in flags)
-        graph_ops.FUSED_STEP_MAX_STATE = 0 if "nostep" in flags else FUSED_STEP_MAX_STATE
+        graph_ops.FUSED_STEP_MAX_STATE = 0 if "nostep" in flags else step_max_state
         try:
             variant, engine = count_bodies(runtime, ops, args)
             variant["pdl"] = pdl.pdl_applies(runtime.device)
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"speedup {variant['speed']['speedup']:.3f}x", flush=True)
         finally:
             pdl.use_pdl(True)
-            graph_ops.FUSED_STEP_MAX_STATE = FUSED_STEP_MAX_STATE
+            graph_ops.FUSED_STEP_MAX_STATE = step_max_state
         result["variants"][name] = variant
         (args.out / "launch_counts.json").write_text(json.dumps(result, indent=1))   # kept if a later set fails
     return 0

@@ -41,6 +41,24 @@ def _node_conv(x, x_row_stride, window, window_stride, weight, bias, rows, in_wi
 
 
 @triton.jit
+def _l2_normed(x, scale):
+    """fla's l2 norm of a head's fp32 vector, times scale."""
+    return x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) + 1e-6)) * scale
+
+
+@triton.jit
+def _log_decay_and_beta(a, b, neg_A, dt_bias, h, NEG_EIGVAL: tl.constexpr):
+    """Head h's g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b) (x2 with negative
+    eigenvalues), from the raw projections a, b of one row."""
+    raw_a = tl.load(a + h).to(tl.float32) + tl.load(dt_bias + h).to(tl.float32)
+    softplus = tl.where(raw_a > 20.0, raw_a, tl.log(1.0 + tl.exp(tl.minimum(raw_a, 20.0))))
+    beta = tl.sigmoid(tl.load(b + h).to(tl.float32))
+    if NEG_EIGVAL:
+        beta = beta * 2.0
+    return tl.load(neg_A + h).to(tl.float32) * softplus, beta
+
+
+@triton.jit
 def _conv_gates_kernel(x, x_row_stride, window, window_stride, index, weight, bias,
                        a, b, ab_row_stride, neg_A, dt_bias,
                        q_out, k_out, v_out, g_out, beta_out, x_out, C, scale,
@@ -67,19 +85,15 @@ def _conv_gates_kernel(x, x_row_stride, window, window_stride, index, weight, bi
                    k_ch, k_mask, W, HAS_BIAS)
     v = _node_conv(x, x_row_stride, window, window_stride, weight, bias, rows, in_window, o_w, w_mask,
                    v_ch, v_mask, W, HAS_BIAS)
-    q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)) * scale
-    k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6))
+    q = _l2_normed(q, scale)
+    k = _l2_normed(k, 1.0)
     head = n * H + h
     tl.store(q_out + head * K + o_k, q, mask=k_mask)
     tl.store(k_out + head * K + o_k, k, mask=k_mask)
     tl.store(v_out + head * V + o_v, v, mask=v_mask)
 
-    raw_a = tl.load(a + n * ab_row_stride + h).to(tl.float32) + tl.load(dt_bias + h).to(tl.float32)
-    softplus = tl.where(raw_a > 20.0, raw_a, tl.log(1.0 + tl.exp(tl.minimum(raw_a, 20.0))))
-    tl.store(g_out + head, tl.load(neg_A + h).to(tl.float32) * softplus)
-    beta = tl.sigmoid(tl.load(b + n * ab_row_stride + h).to(tl.float32))
-    if NEG_EIGVAL:
-        beta = beta * 2.0
+    g, beta = _log_decay_and_beta(a + n * ab_row_stride, b + n * ab_row_stride, neg_A, dt_bias, h, NEG_EIGVAL)
+    tl.store(g_out + head, g)
     tl.store(beta_out + head, beta)
 
     if COPY_X:   # the raw conv inputs of this head's channels: the conv-window factor
@@ -159,14 +173,10 @@ def _conv_recurrent_step_kernel(x, cache, cache_stride, weight, bias, a, b, neg_
     window = cache + 1
     q = _node_conv(x, 0, window, cache_stride, weight, bias, o_w, in_window, o_w, w_mask, q_ch, k_mask, W, HAS_BIAS)
     k = _node_conv(x, 0, window, cache_stride, weight, bias, o_w, in_window, o_w, w_mask, k_ch, k_mask, W, HAS_BIAS)
-    q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)) * scale
-    k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6))
-    raw_a = tl.load(a + h).to(tl.float32) + tl.load(dt_bias + h).to(tl.float32)
-    softplus = tl.where(raw_a > 20.0, raw_a, tl.log(1.0 + tl.exp(tl.minimum(raw_a, 20.0))))
-    decay = tl.exp(tl.load(neg_A + h).to(tl.float32) * softplus)
-    beta = tl.sigmoid(tl.load(b + h).to(tl.float32))
-    if NEG_EIGVAL:
-        beta = beta * 2.0
+    q = _l2_normed(q, scale)
+    k = _l2_normed(k, 1.0)
+    g, beta = _log_decay_and_beta(a, b, neg_A, dt_bias, h, NEG_EIGVAL)
+    decay = tl.exp(g)
     for v0 in range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
         v_mask = o_v < V

@@ -145,8 +145,8 @@ def _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl
     """[BM, BN] fp32 products over the K columns [k_lo, k_hi), for one or two rows. Each row
     has its own [BN, BK // VEC] accumulator in the weight tile's own register layout (a
     [BM, BN, BK] one would move every tile through shared memory to a 3-D layout), summed
-    across threads once after the loop; the next tile is loaded before this one's products, so each program
-    keeps two tiles of loads outstanding."""
+    across threads once after the loop; the next tile is loaded before this one's products,
+    so each program keeps two tiles of loads outstanding."""
     offs = tl.arange(0, BK)
     wb = tl.load(w_rows + k_lo + offs[None, :], mask=c_mask[:, None] & (k_lo + offs < k_hi)[None, :], other=0.0)
     if PDL:

@@ -152,7 +152,6 @@ class TorchOps:
         S.add_(k[..., :, None] * delta[..., None, :])
         return (S * q[..., None]).sum(-2)[:, None]
 
-
     def conv_recurrent_step(self, x, cache, a, b, S, layer: PackedLayer, config: GDNConfig, index1):
         """One AR token from the conv inputs x [1,1,C] to the recurrence output [1,1,H,V]: the
         conv step (cache [1,C,W] shifted in place) then the recurrence step (S in place)."""
