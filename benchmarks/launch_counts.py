@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from kernels import pdl  # noqa: E402
 from specla.graphs import ops as graph_ops  # noqa: E402
+from specla.graphs import whole_step  # noqa: E402
 from specla import runner  # noqa: E402
 from specla.acceptance import read_prompts  # noqa: E402
 from specla.decode import DecodeSettings  # noqa: E402
@@ -167,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the target's per-layer ops, one set or several to compare: auto | fla | fused | torch; "
                         "a +nopdl suffix (fused+nopdl) launches the GEMV projections without programmatic "
                         "dependent launch (kernels/pdl.py); +nostep runs a small-headed AR token's conv and "
-                        "recurrence as two launches (fla's), not one (kernels/triton_conv_gates.py)")
+                        "recurrence as two launches (fla's), not one (kernels/triton_conv_gates.py); +nowhole runs "
+                        "a narrow target's AR token as per-op launches, not one persistent launch "
+                        "(kernels/triton_decode_step.py), +whole runs it at any width, and +pN with N programs")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
     p.add_argument("--speed-limit", type=int, default=8)
     p.add_argument("--tokens", type=int, default=128)
@@ -186,10 +189,14 @@ def main(argv: list[str] | None = None) -> int:
         result["speed"] = {"prompt_file": str(args.speed_prompts), "prompts": len(texts), "new_tokens": args.tokens}
     args.out.mkdir(parents=True, exist_ok=True)
     step_max_state = graph_ops.FUSED_STEP_MAX_STATE
+    whole_max_hidden = whole_step.WHOLE_STEP_MAX_HIDDEN
     for name in args.ops.split(","):
         ops, *flags = name.split("+")
         pdl.use_pdl("nopdl" not in flags)
         graph_ops.FUSED_STEP_MAX_STATE = 0 if "nostep" in flags else step_max_state
+        whole_step.WHOLE_STEP_MAX_HIDDEN = (0 if "nowhole" in flags else 1 << 30 if "whole" in flags
+                                            else whole_max_hidden)
+        whole_step.WHOLE_STEP_PROGRAMS = next((int(f[1:]) for f in flags if f[:1] == "p" and f[1:].isdigit()), None)
         try:
             variant, engine = count_bodies(runtime, ops, args)
             variant["pdl"] = pdl.pdl_applies(runtime.device)
@@ -200,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             pdl.use_pdl(True)
             graph_ops.FUSED_STEP_MAX_STATE = step_max_state
+            whole_step.WHOLE_STEP_MAX_HIDDEN, whole_step.WHOLE_STEP_PROGRAMS = whole_max_hidden, None
         result["variants"][name] = variant
         (args.out / "launch_counts.json").write_text(json.dumps(result, indent=1))   # kept if a later set fails
     return 0

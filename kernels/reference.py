@@ -21,6 +21,8 @@ No verify function writes S0.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 
@@ -303,6 +305,51 @@ def swiglu_linear_ref(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """silu(gate_up[..., :I]) * gate_up[..., I:], projected by w [N, I]."""
     I = w.shape[1]
     return torch.nn.functional.linear(swiglu_ref(gate_up[..., :I], gate_up[..., I:]), w)
+
+
+@dataclasses.dataclass
+class DecodeWeights:
+    """A GDN model's weights stacked over layers ([L, ...], contiguous) for a whole decode
+    step: w_in rows are q | k | v (the conv inputs, C = 2HK + HV), the output gate (HV),
+    a, b (H each)."""
+    embed: torch.Tensor        # [vocab, D]
+    attn_norm: torch.Tensor    # [L, D]
+    w_in: torch.Tensor         # [L, C + H*V + 2H, D]
+    conv_w: torch.Tensor       # [L, C, W]
+    conv_b: torch.Tensor | None
+    neg_A: torch.Tensor        # fp32 [L, H]: -exp(A_log)
+    dt_bias: torch.Tensor      # fp32 [L, H]
+    o_norm: torch.Tensor       # [L, V]
+    w_o: torch.Tensor          # [L, D, H*V]
+    mlp_norm: torch.Tensor     # [L, D]
+    w_gate_up: torch.Tensor    # [L, 2I, D]
+    w_down: torch.Tensor       # [L, D, I]
+    final_norm: torch.Tensor   # [D]
+    lm_head: torch.Tensor      # [vocab, D]
+
+
+def decode_step_ref(token: int, wt: DecodeWeights, cache: torch.Tensor, S: torch.Tensor, eps: float,
+                    head_dim: int, head_v_dim: int, swish: bool = True, neg_eigval: bool = False):
+    """One AR token through the whole model, composed of the per-op references.
+
+    cache [L, 1, C, W] (the conv inputs, newest last), S [L, 1, H, K, V] fp32. Returns (fp32
+    logits [vocab], the new S, the new cache); the inputs are not written.
+    """
+    H, V = wt.neg_A.shape[1], head_v_dim
+    C = cache.shape[2]
+    x, residual = wt.embed[token].view(1, 1, -1), None
+    S, cache = S.clone(), cache.clone()
+    for l in range(wt.w_in.shape[0]):
+        y, residual = norm_linear_ref(x, wt.attn_norm[l], eps, residual, wt.w_in[l])
+        conv_in, gate, a, b = y.split([C, H * V, H, H], dim=-1)
+        bias = None if wt.conv_b is None else wt.conv_b[l]
+        o, S[l], cache[l] = conv_recurrent_step_ref(conv_in, cache[l], wt.conv_w[l], bias, a, b, wt.neg_A[l],
+                                                    wt.dt_bias[l], S[l], head_dim, V, neg_eigval)
+        x = gated_norm_linear_ref(o, gate, wt.o_norm[l], eps, "swish" if swish else "sigmoid", wt.w_o[l])
+        gate_up, residual = norm_linear_ref(x, wt.mlp_norm[l], eps, residual, wt.w_gate_up[l])
+        x = swiglu_linear_ref(gate_up, wt.w_down[l])
+    h, _ = rms_norm_ref(x, wt.final_norm, eps, residual)
+    return torch.nn.functional.linear(h.float(), wt.lm_head.float()).view(-1), S, cache
 
 
 VERIFY_REFERENCES = {

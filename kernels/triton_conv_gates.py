@@ -155,6 +155,62 @@ def _shift_window(cache, stride, x, channels, c_mask, o_w, w_mask, W: tl.constex
 
 
 @triton.jit
+def _head_queries_and_gates(x, window, cache_stride, weight, bias, a, b, neg_A, dt_bias, h, scale,
+                            H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BK: tl.constexpr,
+                            BW: tl.constexpr, HAS_BIAS: tl.constexpr, NEG_EIGVAL: tl.constexpr):
+    """One AR token's q, k (conv, SiLU, l2 norm) and decay, beta for head h. `window` is the
+    conv cache's last W-1 slots (cache + 1), x the token's conv inputs."""
+    o_w = tl.arange(0, BW)
+    w_mask = o_w < W
+    in_window = o_w < W - 1            # rows 0..W-2: cache slots 1..W-1; row W-1: x
+    o_k = tl.arange(0, BK)
+    k_mask = o_k < K
+    q = _node_conv(x, 0, window, cache_stride, weight, bias, o_w, in_window, o_w, w_mask,
+                   h * K + o_k, k_mask, W, HAS_BIAS)
+    k = _node_conv(x, 0, window, cache_stride, weight, bias, o_w, in_window, o_w, w_mask,
+                   H * K + h * K + o_k, k_mask, W, HAS_BIAS)
+    g, beta = _log_decay_and_beta(a, b, neg_A, dt_bias, h, NEG_EIGVAL)
+    return _l2_normed(q, scale), _l2_normed(k, 1.0), tl.exp(g), beta
+
+
+@triton.jit
+def _state_tile_step(x, window, cache_stride, weight, bias, S, o, q, k, decay, beta, h, v0,
+                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The delta-rule step on columns [v0, v0 + BV) of head h's [K, V] state S (fp32, in
+    place), with their v channels' conv; writes those columns of o (fp32 [H, V])."""
+    o_w = tl.arange(0, BW)
+    w_mask = o_w < W
+    o_k = tl.arange(0, BK)
+    k_mask = o_k < K
+    o_v = v0 + tl.arange(0, BV)
+    v_mask = o_v < V
+    v = _node_conv(x, 0, window, cache_stride, weight, bias, o_w, o_w < W - 1, o_w, w_mask,
+                   2 * H * K + h * V + o_v, v_mask, W, HAS_BIAS)
+    tile = S + h * K * V + o_k[:, None] * V + o_v[None, :]
+    mask = k_mask[:, None] & v_mask[None, :]
+    s = tl.load(tile, mask=mask, other=0.0) * decay
+    delta = beta * (v - tl.sum(s * k[:, None], axis=0))
+    s = s + k[:, None] * delta[None, :]
+    tl.store(tile, s, mask=mask)
+    tl.store(o + h * V + o_v, tl.sum(s * q[:, None], axis=0), mask=v_mask)
+
+
+@triton.jit
+def _shift_head_window(cache, cache_stride, x, h, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr):
+    """Shift head h's q, k and v channels of the conv cache by one, x newest."""
+    o_w = tl.arange(0, BW)
+    w_mask = o_w < W
+    o_k = tl.arange(0, BK)
+    _shift_window(cache, cache_stride, x, h * K + o_k, o_k < K, o_w, w_mask, W)
+    _shift_window(cache, cache_stride, x, H * K + h * K + o_k, o_k < K, o_w, w_mask, W)
+    for v0 in range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        _shift_window(cache, cache_stride, x, 2 * H * K + h * V + o_v, o_v < V, o_w, w_mask, W)
+
+
+@triton.jit
 def _conv_recurrent_step_kernel(x, cache, cache_stride, weight, bias, a, b, neg_A, dt_bias, S, o, scale,
                                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
                                 BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
@@ -163,38 +219,14 @@ def _conv_recurrent_step_kernel(x, cache, cache_stride, weight, bias, a, b, neg_
     [K, V] state in V tiles of BV, and the shift of its conv inputs. One program owns all of a
     head's channels, so no program reads a conv window another one is shifting."""
     h = tl.program_id(0)
-    o_w = tl.arange(0, BW)
-    w_mask = o_w < W
-    in_window = o_w < W - 1            # rows 0..W-2: cache slots 1..W-1; row W-1: x
-    o_k = tl.arange(0, BK)
-    k_mask = o_k < K
-    q_ch = h * K + o_k
-    k_ch = H * K + h * K + o_k
     window = cache + 1
-    q = _node_conv(x, 0, window, cache_stride, weight, bias, o_w, in_window, o_w, w_mask, q_ch, k_mask, W, HAS_BIAS)
-    k = _node_conv(x, 0, window, cache_stride, weight, bias, o_w, in_window, o_w, w_mask, k_ch, k_mask, W, HAS_BIAS)
-    q = _l2_normed(q, scale)
-    k = _l2_normed(k, 1.0)
-    g, beta = _log_decay_and_beta(a, b, neg_A, dt_bias, h, NEG_EIGVAL)
-    decay = tl.exp(g)
+    q, k, decay, beta = _head_queries_and_gates(x, window, cache_stride, weight, bias, a, b, neg_A, dt_bias,
+                                                h, scale, H, K, W, BK, BW, HAS_BIAS, NEG_EIGVAL)
     for v0 in range(0, V, BV):
-        o_v = v0 + tl.arange(0, BV)
-        v_mask = o_v < V
-        v = _node_conv(x, 0, window, cache_stride, weight, bias, o_w, in_window, o_w, w_mask,
-                       2 * H * K + h * V + o_v, v_mask, W, HAS_BIAS)
-        tile = S + h * K * V + o_k[:, None] * V + o_v[None, :]
-        mask = k_mask[:, None] & v_mask[None, :]
-        s = tl.load(tile, mask=mask, other=0.0) * decay
-        delta = beta * (v - tl.sum(s * k[:, None], axis=0))
-        s = s + k[:, None] * delta[None, :]
-        tl.store(tile, s, mask=mask)
-        tl.store(o + h * V + o_v, tl.sum(s * q[:, None], axis=0), mask=v_mask)
+        _state_tile_step(x, window, cache_stride, weight, bias, S, o, q, k, decay, beta, h, v0,
+                         H, K, V, W, BK, BV, BW, HAS_BIAS)
     tl.debug_barrier()          # every conv above has read the window before it shifts
-    _shift_window(cache, cache_stride, x, q_ch, k_mask, o_w, w_mask, W)
-    _shift_window(cache, cache_stride, x, k_ch, k_mask, o_w, w_mask, W)
-    for v0 in range(0, V, BV):
-        o_v = v0 + tl.arange(0, BV)
-        _shift_window(cache, cache_stride, x, 2 * H * K + h * V + o_v, o_v < V, o_w, w_mask, W)
+    _shift_head_window(cache, cache_stride, x, h, H, K, V, W, BK, BV, BW)
 
 
 def conv_recurrent_step(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

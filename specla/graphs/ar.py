@@ -26,7 +26,19 @@ class GraphedAR:
         self.reset()
 
     def _step(self) -> None:
+        if self.rt.whole_step is not None:
+            # one launch: the forward and, greedy, the argmax into token, out and count
+            greedy = (self.token, self.out, self.count) if self.temperature == 0 else None
+            self.rt.whole_step(self.token, self.state.conv, self.state.recurrent, self.logits.view(-1), greedy)
+            if greedy is None:
+                self._take(self.logits)
+            return
         logits = self.rt.ar_forward(self.token, self.state)
+        self._take(logits)
+        self.logits.copy_(logits)
+
+    def _take(self, logits: torch.Tensor) -> None:
+        """The next token from logits [1, vocab] into token, out[count]; count += 1."""
         if self.temperature > 0:
             # Gumbel-max sampling without a host sync: argmax(p / Exp(1)) ~ Categorical(p)
             probs = torch.softmax(logits / self.temperature, dim=-1)
@@ -36,7 +48,6 @@ class GraphedAR:
         self.token.copy_(nxt)
         self.out.index_copy_(0, self.count.clamp(max=self.out.numel() - 1), nxt.view(1))
         self.count.add_(1)
-        self.logits.copy_(logits)
 
     def replay(self) -> None:
         if self.graph is not None:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from specla.config import GDNConfig
 from specla.graphs.ops import PackedLayer, make_ops, pack_layer
+from specla.graphs.whole_step import whole_step_for
 from specla.model import Factors, GDNForCausalLM, InferenceState, Topology
 
 
@@ -62,6 +63,9 @@ class PackedTarget:
         self.splits = (C, G, c.num_heads, c.num_heads)
         self.index1 = torch.arange(c.conv_size, device=self.device).view(1, -1)
         self.head_fp32 = self._probe_fp32_head()
+        self.whole_step, note = whole_step_for(self)
+        if self.whole_step is not None:
+            self.ops_note += "; " + note
 
     def _probe_fp32_head(self) -> bool:
         """bf16 GEMM with fp32 output for the LM head where cuBLAS offers it: logits keep their

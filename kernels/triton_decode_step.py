@@ -1,0 +1,249 @@
+"""A whole AR decoding step of a Gated DeltaNet model in one persistent Triton launch:
+`decode_step_ref` in `kernels/reference.py`.
+
+Why: a small target's step is launch latency. The embedded 13M model's weights (26 MB) sit
+in the H200's L2 cache and its bytes floor is ~7 us, yet its step of 38 fused launches took
+85 us (benchmarks/results/h200/session13/): about 2.2 us a kernel boundary. Inside one
+launch a boundary becomes a grid-wide barrier: every program arrives on a counter in global
+memory and spins until all have, which is one round trip through L2 instead of a kernel's
+drain, launch and ramp.
+
+The step runs as phases separated by barriers; each phase splits its work over all
+programs, and every program recomputes the small vectors it needs (a norm's mean square
+over a 384-wide row) instead of waiting for one program to publish them:
+
+    per layer  A  residual add + RMSNorm + input projection (q|k|v|gate|a|b)
+               B  per (head, V tile): conv + SiLU, l2 norms, gates, the delta-rule step
+               C  gated per-head norm + output projection; the conv cache's shift
+               D  residual add + RMSNorm + gate/up projection
+               E  SwiGLU + down projection
+    then       F  residual add + final RMSNorm + LM head (fp32 logits)
+               G  (greedy) program 0: argmax, the next token, its slot in the output
+
+The arithmetic is `triton_projection`'s (its `_gemv_slice` is every projection here) and
+`triton_conv_gates`' (the AR step's conv, gates and state tile), so the logits equal the
+fused op set's AR forward's up to the order of fp32 sums. Every program must be resident at
+once (a barrier waits for all of them): the grid is at most one program an SM, and the
+kernel must not share the GPU with a kernel launched to overlap it. A barrier that waits
+past `SPIN_LIMIT` polls gives up and sets `status` instead of hanging the GPU.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.reference import DecodeWeights
+from kernels.triton_conv_gates import (_head_queries_and_gates, _shift_window, _state_tile_step)
+from kernels.triton_projection import DEFAULT_SMS, _gemv_slice
+
+SPIN_LIMIT = 1 << 20
+
+
+@triton.jit
+def _grid_barrier(counter, target, status, SPIN_LIMIT: tl.constexpr):
+    """Arrive, then wait until `target` arrivals in all (the barrier's index times the grid).
+    The release publishes this program's stores, the acquire makes the others' visible."""
+    tl.debug_barrier()          # every thread's stores are issued before one thread arrives
+    seen = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") + 1
+    spins = 0
+    while (seen < target) & (spins < SPIN_LIMIT):
+        seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+        spins += 1
+    if seen < target:
+        tl.store(status, 1)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _projection_phase(src, w, y, N, K, eps, pid, programs, dtype: tl.constexpr, PROLOGUE: tl.constexpr,
+                      HAS_RES: tl.constexpr, SWISH: tl.constexpr, HEAD: tl.constexpr,
+                      BN: tl.constexpr, BK: tl.constexpr, VEC: tl.constexpr):
+    """y = prologue(src) @ w.T [N] for one row, column blocks dealt round-robin; the block
+    of column 0 also writes x + residual (PROLOGUE 0 with HAS_RES)."""
+    for blk in range(pid, tl.cdiv(N, BN), programs):
+        cols = blk * BN + tl.arange(0, BN)
+        c_mask = cols < N
+        acc = _gemv_slice(src, w + cols[:, None] * K, c_mask, 0, K, 1, K, eps, blk == 0, dtype,
+                          PROLOGUE, HAS_RES, SWISH, HEAD, 1, BN, BK, False, VEC)
+        tl.store(y + cols[None, :], acc.to(y.dtype.element_ty), mask=c_mask[None, :])
+
+
+@triton.jit
+def _greedy_token(logits, vocab, next_token, out, count, max_out, BLOCK: tl.constexpr):
+    """argmax(logits) (the first index of the maximum) -> next_token, out[count]; count += 1."""
+    best = tl.full([], float("-inf"), tl.float32)
+    best_i = tl.full([], 0, tl.int32)
+    for v0 in range(0, vocab, BLOCK):
+        offs = v0 + tl.arange(0, BLOCK)
+        chunk = tl.load(logits + offs, mask=offs < vocab, other=float("-inf"), cache_modifier=".cg")
+        top = tl.max(chunk, axis=0)
+        top_i = tl.min(tl.where(chunk == top, offs, vocab), axis=0)
+        better = top > best
+        best_i = tl.where(better, top_i, best_i)
+        best = tl.where(better, top, best)
+    token = best_i.to(tl.int64)
+    c = tl.load(count)
+    tl.store(next_token, token)
+    tl.store(out + tl.minimum(c, max_out - 1), token)
+    tl.store(count, c + 1)
+
+
+@triton.jit
+def _decode_step_kernel(
+        token, embed, zeros, attn_norm, w_in, conv_w, conv_b, neg_A, dt_bias, o_norm, w_o, mlp_norm, w_gu,
+        w_down, final_norm, lm_head, cache, S, logits, next_token, out, count, max_out,
+        res_a, res_b, x_buf, y_in, o_buf, gu_buf, counter, status, eps, scale,
+        L: tl.constexpr, D: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+        W: tl.constexpr, I: tl.constexpr, VOCAB: tl.constexpr, HAS_BIAS: tl.constexpr,
+        NEG_EIGVAL: tl.constexpr, SWISH: tl.constexpr, GREEDY: tl.constexpr,
+        BN_IN: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr,
+        BN_HEAD: tl.constexpr, BK_D: tl.constexpr, BK_O: tl.constexpr, BK_I: tl.constexpr,
+        BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr, VEC: tl.constexpr,
+        SPIN_LIMIT: tl.constexpr):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    dtype = w_in.dtype.element_ty
+    C = H * (2 * K + V)
+    N_IN = C + H * V + 2 * H
+    x_embed = embed + tl.load(token) * D
+    barrier = 0
+    for l in range(L):
+        # A: the block input (the embedding, or the last MLP's output plus the residual)
+        if l == 0:
+            src = (x_embed, 0, zeros, 0, res_a, zeros, 0, attn_norm)
+        else:
+            src = (x_buf, 0, res_b, 0, res_a, zeros, 0, attn_norm + l * D)
+        _projection_phase(src, w_in + l * N_IN * D, y_in, N_IN, D, eps, pid, programs, dtype, 0, True, SWISH,
+                          1, BN_IN, BK_D, VEC)
+        barrier += 1
+        _grid_barrier(counter, barrier * programs, status, SPIN_LIMIT)
+
+        # B: the recurrence, one (head, V tile) a unit
+        cache_l = cache + l * C * W
+        a = y_in + C + H * V
+        for unit in range(pid, H * tl.cdiv(V, BV), programs):
+            h = unit % H
+            q, k, decay, beta = _head_queries_and_gates(
+                y_in, cache_l + 1, W, conv_w + l * C * W, conv_b + l * C, a + 0, a + H, neg_A + l * H,
+                dt_bias + l * H, h, scale, H, K, W, BK, BW, HAS_BIAS, NEG_EIGVAL)
+            _state_tile_step(y_in, cache_l + 1, W, conv_w + l * C * W, conv_b + l * C, S + l * H * K * V,
+                             o_buf, q, k, decay, beta, h, (unit // H) * BV, H, K, V, W, BK, BV, BW, HAS_BIAS)
+        barrier += 1
+        _grid_barrier(counter, barrier * programs, status, SPIN_LIMIT)
+
+        # C: gated norm + output projection; every conv window has been read: shift them
+        src = (o_buf, 0, zeros, 0, zeros, y_in + C, 0, o_norm + l * V)
+        _projection_phase(src, w_o + l * D * H * V, x_buf, D, H * V, eps, pid, programs, dtype, 1, False,
+                          SWISH, V, BN_O, BK_O, VEC)
+        o_w = tl.arange(0, BW)
+        for c0 in range(pid * BC, C, programs * BC):
+            channels = c0 + tl.arange(0, BC)
+            _shift_window(cache_l, W, y_in, channels, channels < C, o_w, o_w < W, W)
+        barrier += 1
+        _grid_barrier(counter, barrier * programs, status, SPIN_LIMIT)
+
+        # D: residual add + norm + gate/up projection
+        src = (x_buf, 0, res_a, 0, res_b, zeros, 0, mlp_norm + l * D)
+        _projection_phase(src, w_gu + l * 2 * I * D, gu_buf, 2 * I, D, eps, pid, programs, dtype, 0, True,
+                          SWISH, 1, BN_GU, BK_D, VEC)
+        barrier += 1
+        _grid_barrier(counter, barrier * programs, status, SPIN_LIMIT)
+
+        # E: SwiGLU + down projection
+        src = (gu_buf, 0, zeros, 0, zeros, zeros, 0, zeros)
+        _projection_phase(src, w_down + l * D * I, x_buf, D, I, eps, pid, programs, dtype, 2, False,
+                          SWISH, 1, BN_DOWN, BK_I, VEC)
+        barrier += 1
+        _grid_barrier(counter, barrier * programs, status, SPIN_LIMIT)
+
+    # F: final norm + LM head, fp32 logits (the residual it sums is not needed again)
+    src = (x_buf, 0, res_b, 0, res_a, zeros, 0, final_norm)
+    for blk in range(pid, tl.cdiv(VOCAB, BN_HEAD), programs):
+        cols = blk * BN_HEAD + tl.arange(0, BN_HEAD)
+        c_mask = cols < VOCAB
+        acc = _gemv_slice(src, lm_head + cols[:, None] * D, c_mask, 0, D, 1, D, eps, False, dtype,
+                          0, True, SWISH, 1, 1, BN_HEAD, BK_D, False, VEC)
+        tl.store(logits + cols[None, :], acc, mask=c_mask[None, :])
+    if GREEDY:
+        barrier += 1
+        _grid_barrier(counter, barrier * programs, status, SPIN_LIMIT)
+        if pid == 0:
+            _greedy_token(logits, VOCAB, next_token, out, count, max_out, 1024)
+    # the last arrival re-arms the counter: every program has left every wait by then
+    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if last == (barrier + 1) * programs - 1:
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+def _block_n(N: int, programs: int) -> int:
+    """Columns a block: about one block a program, 4 to 64 (power of two)."""
+    return max(4, min(64, triton.next_power_of_2(triton.cdiv(N, programs))))
+
+
+class PersistentDecodeStep:
+    """One launch per AR token for a GDN model of heads [K, V] and one gated output: the
+    weights, the scratch vectors and the barrier counter, made once (a CUDA graph holds
+    their addresses). `programs` defaults to the device's SM count."""
+
+    def __init__(self, weights: DecodeWeights, num_heads: int, head_dim: int, head_v_dim: int, eps: float,
+                 swish: bool = True, neg_eigval: bool = False, programs: int | None = None):
+        wt, dev = weights, weights.w_in.device
+        L, N_in, D = wt.w_in.shape
+        H, K, V = num_heads, head_dim, head_v_dim
+        C, W = wt.conv_w.shape[1:]
+        I = wt.w_down.shape[2]
+        if C != H * (2 * K + V) or N_in != C + H * V + 2 * H:
+            raise ValueError(f"decode step: w_in {tuple(wt.w_in.shape)} and conv {tuple(wt.conv_w.shape)} do not "
+                             f"fit H={H}, K={K}, V={V} with an output gate")
+        if triton.next_power_of_2(V) != V or V < 16:
+            raise ValueError(f"decode step: head width {V}: the fused gated norm takes powers of two from 16")
+        for name in ("attn_norm", "w_in", "conv_w", "neg_A", "dt_bias", "o_norm", "w_o", "mlp_norm",
+                     "w_gate_up", "w_down", "embed", "lm_head", "final_norm"):
+            if not getattr(wt, name).is_contiguous():
+                raise ValueError(f"decode step: {name} must be contiguous")
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else DEFAULT_SMS
+        self.programs = min(programs or sms, sms)
+        self.weights, self.device, self.dtype = wt, dev, wt.w_in.dtype
+        self.shape = dict(L=L, D=D, H=H, K=K, V=V, W=W, I=I, VOCAB=wt.lm_head.shape[0])
+        self.eps, self.scale, self.swish, self.neg_eigval = eps, K ** -0.5, swish, neg_eigval
+        f32 = dict(device=dev, dtype=torch.float32)
+        self.zeros = torch.zeros(max(D, H * V, 2 * I), device=dev, dtype=self.dtype)
+        self.res_a, self.res_b, self.x = (torch.zeros(D, device=dev, dtype=self.dtype) for _ in range(3))
+        self.y_in = torch.zeros(N_in, device=dev, dtype=self.dtype)
+        self.o = torch.zeros(H * V, **f32)
+        self.gate_up = torch.zeros(2 * I, device=dev, dtype=self.dtype)
+        self.counter = torch.zeros(1, device=dev, dtype=torch.int32)
+        self.status = torch.zeros(1, device=dev, dtype=torch.int32)
+        P, elem = self.programs, wt.w_in.element_size()
+        bk = lambda k, head=1: max(head, 16, min(triton.next_power_of_2(k), 1024 // elem))  # noqa: E731
+        BK = triton.next_power_of_2(K)
+        self.blocks = dict(
+            BN_IN=_block_n(N_in, P), BN_O=_block_n(D, P), BN_GU=_block_n(2 * I, P), BN_DOWN=_block_n(D, P),
+            BN_HEAD=_block_n(self.shape["VOCAB"], P), BK_D=bk(D), BK_O=bk(H * V, V), BK_I=bk(I), BK=BK,
+            BV=min(V, max(16, 4096 // BK)), BW=triton.next_power_of_2(W), BC=64, VEC=16 // elem)
+
+    def __call__(self, token: torch.Tensor, cache: torch.Tensor, S: torch.Tensor, logits: torch.Tensor,
+                 greedy: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Feed `token` ([1] or [1, 1] int64): cache [L, 1, C, W] and S [L, 1, H, K, V] fp32
+        are updated in place, logits ([vocab] fp32) written. `greedy` (next_token [1, 1],
+        out [n], count [1], int64) also takes the argmax as the next token into next_token and
+        out[count] and counts it, inside the same launch."""
+        wt, s = self.weights, self.shape
+        if S.dtype != torch.float32 or not (S.is_contiguous() and cache.is_contiguous()):
+            raise ValueError("decode step: S must be contiguous fp32 and the conv cache contiguous")
+        if logits.dtype != torch.float32 or logits.numel() != s["VOCAB"] or not logits.is_contiguous():
+            raise ValueError(f"decode step: logits must be {s['VOCAB']} contiguous fp32 values")
+        next_token, out, count = greedy if greedy is not None else (token, token, token)
+        _decode_step_kernel[(self.programs,)](
+            token, wt.embed, self.zeros, wt.attn_norm, wt.w_in, wt.conv_w,
+            wt.conv_b if wt.conv_b is not None else wt.conv_w, wt.neg_A, wt.dt_bias, wt.o_norm, wt.w_o,
+            wt.mlp_norm, wt.w_gate_up, wt.w_down, wt.final_norm, wt.lm_head, cache, S, logits,
+            next_token, out, count, out.numel(), self.res_a, self.res_b, self.x, self.y_in, self.o,
+            self.gate_up, self.counter, self.status, self.eps, self.scale, **s,
+            HAS_BIAS=wt.conv_b is not None, NEG_EIGVAL=self.neg_eigval, SWISH=self.swish,
+            GREEDY=greedy is not None, SPIN_LIMIT=SPIN_LIMIT, **self.blocks, num_warps=4)
+
+    def failed(self) -> bool:
+        """Whether a barrier gave up waiting since this step was made (reads the device)."""
+        return bool(self.status.item())

@@ -1,0 +1,95 @@
+"""The AR token of a narrow target as one persistent launch (`kernels/triton_decode_step.py`).
+
+The fused op set's AR step is 38 launches on the embedded model, each a few microseconds of
+launch and ramp around almost no work; the persistent kernel runs the same arithmetic with
+grid-wide barriers between the phases instead. `whole_step_for` builds it for a packed
+target where it applies and checks it against the op set's own AR forward first, so a
+kernel that disagrees is never used (the note says why).
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.reference import DecodeWeights
+from specla.config import GDNConfig
+
+# The whole step is for targets whose step is launch-bound: up to this hidden width, where
+# each phase's weights are a few MB and its barrier costs about what a launch does. Wider
+# targets stream their weights, which the per-op kernels' grids do better.
+WHOLE_STEP_MAX_HIDDEN = 1024
+# The grid of the whole step (None: one program an SM); benchmarks sweep it.
+WHOLE_STEP_PROGRAMS: int | None = None
+
+
+def whole_step_applies(config: GDNConfig, device: torch.device, ops_name: str) -> str | None:
+    """None if the whole step applies, else why not."""
+    V = config.head_v_dim
+    if device.type != "cuda" or ops_name != "fused":
+        return "the fused op set on CUDA only"
+    if config.hidden_size > WHOLE_STEP_MAX_HIDDEN:
+        return f"hidden {config.hidden_size} > {WHOLE_STEP_MAX_HIDDEN}: the per-op kernels stream wide weights better"
+    if not config.use_gate or V < 16 or V & (V - 1):
+        return "an output gate and power-of-two head widths from 16 only"
+    return None
+
+
+def stack_weights(packed) -> DecodeWeights:
+    """The packed layers' weights stacked [L, ...]; each layer's fields become views of the
+    stacks, so the weights are held once."""
+    layers = packed.layers
+    names = ("attn_norm", "w_in", "conv_w", "neg_A", "dt_bias", "o_norm", "w_o", "mlp_norm", "w_gate_up", "w_down")
+    stacks = {name: torch.stack([getattr(layer, name) for layer in layers]).contiguous() for name in names}
+    has_bias = layers[0].conv_b is not None
+    stacks["conv_b"] = torch.stack([layer.conv_b for layer in layers]).contiguous() if has_bias else None
+    for l, layer in enumerate(layers):
+        for name, stack in stacks.items():
+            if stack is not None:
+                setattr(layer, name, stack[l])
+    return DecodeWeights(embed=packed.embed.contiguous(), final_norm=packed.norm_w.contiguous(),
+                         lm_head=packed.lm_head.contiguous(), **stacks)
+
+
+def whole_step_for(packed):
+    """(PersistentDecodeStep, note) for a PackedTarget, or (None, why not)."""
+    c, programs = packed.config, WHOLE_STEP_PROGRAMS
+    why = whole_step_applies(c, packed.device, packed.ops.name)
+    if why is not None:
+        return None, why
+    try:
+        from kernels.triton_decode_step import PersistentDecodeStep
+        step = PersistentDecodeStep(stack_weights(packed), c.num_heads, c.head_dim, c.head_v_dim, c.norm_eps,
+                                    swish=c.output_gate_activation in ("swish", "silu"),
+                                    neg_eigval=c.allow_neg_eigval, programs=programs)
+        problem = check_whole_step(packed, step)
+    except Exception as err:  # noqa: BLE001 - any failure: the per-op AR step
+        problem = f"{type(err).__name__}: {err}"
+    if problem:
+        return None, f"whole-step kernel unusable: {problem}"
+    return step, f"the AR token as one persistent launch ({step.programs} programs)"
+
+
+@torch.no_grad()
+def check_whole_step(packed, step, tokens: int = 3, seed: int = 0) -> str | None:
+    """Run `tokens` tokens from a random state through the whole step and through the op
+    set's AR forward; None if logits, state and conv cache agree, else what differs."""
+    from specla.graphs.runtime import StaticState
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    c = packed.config
+    mine = StaticState(c, packed.device, packed.dtype)
+    mine.recurrent.copy_(torch.randn(mine.recurrent.shape, generator=gen) * 0.1)
+    mine.conv.copy_(torch.randn(mine.conv.shape, generator=gen))
+    theirs = mine.clone()
+    logits = torch.empty(c.vocab_size, device=packed.device)
+    tol = 1e-3 if packed.dtype == torch.float32 else 5e-2
+    for t in range(tokens):
+        token = torch.randint(c.vocab_size, (1, 1), generator=gen).to(packed.device)
+        step(token, mine.conv, mine.recurrent, logits)
+        want = packed.ar_forward(token, theirs).view(-1)
+        for name, got, ref in (("logits", logits, want), ("state", mine.recurrent, theirs.recurrent),
+                               ("conv cache", mine.conv, theirs.conv)):
+            err = ((got.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-12)).item()
+            if not err < tol:
+                return f"token {t}: {name} relative error {err:.2e}"
+    if step.failed():
+        return "a grid barrier gave up waiting"
+    return None
