@@ -20,6 +20,8 @@ import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -52,3 +54,30 @@ def launch_options(device: torch.device) -> dict:
 @functools.lru_cache(maxsize=None)
 def _capability(device: torch.device) -> int:
     return torch.cuda.get_device_capability(device)[0]
+
+
+# A grid wait that has polled this many times gives up (and says so) instead of hanging the GPU.
+GRID_SPIN_LIMIT = tl.constexpr(1 << 20)
+
+
+@triton.jit
+def grid_arrive(counter):
+    """Count this program's arrival at a grid-wide barrier of a persistent kernel; the release
+    publishes its stores (every thread's, issued before the one thread that arrives)."""
+    tl.debug_barrier()
+    tl.atomic_add(counter, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def grid_wait(counter, target, status):
+    """Wait until `target` arrivals in all; the acquire makes the arrived programs' stores
+    visible to every thread here. Split from the arrival so a program can start loads that
+    depend on no other program (weights) before it waits. Sets `status` if it gives up."""
+    seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")     # lowered to one ld.acquire
+    spins = 0
+    while (seen < target) & (spins < GRID_SPIN_LIMIT):
+        seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+        spins += 1
+    if seen < target:
+        tl.store(status, 1)
+    tl.debug_barrier()

@@ -6,7 +6,9 @@ in the H200's L2 cache and its bytes floor is ~7 us, yet its step of 38 fused la
 85 us (benchmarks/results/h200/session13/): about 2.2 us a kernel boundary. Inside one
 launch a boundary becomes a grid-wide barrier: every program arrives on a counter in global
 memory and spins until all have, which is one round trip through L2 instead of a kernel's
-drain, launch and ramp.
+drain, launch and ramp. The barrier is split (`kernels/pdl.py`: `grid_arrive`,
+`grid_wait`): a program arrives when its stores are done, and in the next phase loads its
+first weight tile before it waits, so those loads overlap the wait as PDL overlaps a launch.
 
 The step runs as phases separated by barriers; each phase splits its work over all
 programs, and every program recomputes the small vectors it needs (a norm's mean square
@@ -24,8 +26,8 @@ The arithmetic is `triton_projection`'s (its `_gemv_slice` is every projection h
 `triton_conv_gates`' (the AR step's conv, gates and state tile), so the logits equal the
 fused op set's AR forward's up to the order of fp32 sums. Every program must be resident at
 once (a barrier waits for all of them): the grid is at most one program an SM, and the
-kernel must not share the GPU with a kernel launched to overlap it. A barrier that waits
-past `SPIN_LIMIT` polls gives up and sets `status` instead of hanging the GPU.
+kernel must not share the GPU with a kernel launched to overlap it. A wait that polls past
+`GRID_SPIN_LIMIT` times gives up and sets `status` instead of hanging the GPU.
 """
 from __future__ import annotations
 
@@ -35,37 +37,23 @@ import triton.language as tl
 
 from kernels.reference import DecodeWeights
 from kernels.triton_conv_gates import (_head_queries_and_gates, _shift_window, _state_tile_step)
+from kernels.pdl import grid_arrive, grid_wait
 from kernels.triton_projection import DEFAULT_SMS, _gemv_slice
 
-SPIN_LIMIT = 1 << 20
-
-
 @triton.jit
-def _grid_barrier(counter, target, status, SPIN_LIMIT: tl.constexpr):
-    """Arrive, then wait until `target` arrivals in all (the barrier's index times the grid).
-    The release publishes this program's stores, the acquire makes the others' visible."""
-    tl.debug_barrier()          # every thread's stores are issued before one thread arrives
-    seen = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") + 1
-    spins = 0
-    while (seen < target) & (spins < SPIN_LIMIT):
-        seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
-        spins += 1
-    if seen < target:
-        tl.store(status, 1)
-    tl.debug_barrier()
-
-
-@triton.jit
-def _projection_phase(src, w, y, N, K, eps, pid, programs, dtype: tl.constexpr, PROLOGUE: tl.constexpr,
+def _projection_phase(src, w, y, N, K, eps, pid, programs, sync, dtype: tl.constexpr, PROLOGUE: tl.constexpr,
                       HAS_RES: tl.constexpr, SWISH: tl.constexpr, HEAD: tl.constexpr,
                       BN: tl.constexpr, BK: tl.constexpr, VEC: tl.constexpr):
     """y = prologue(src) @ w.T [N] for one row, column blocks dealt round-robin; the block
-    of column 0 also writes x + residual (PROLOGUE 0 with HAS_RES)."""
+    of column 0 also writes x + residual (PROLOGUE 0 with HAS_RES). Each program's first
+    block waits at the barrier `sync` once its first weight tile is in flight."""
+    counter, arrivals, status = sync
     for blk in range(pid, tl.cdiv(N, BN), programs):
         cols = blk * BN + tl.arange(0, BN)
         c_mask = cols < N
+        first = (counter, tl.where(blk == pid, arrivals, 0), status)
         acc = _gemv_slice(src, w + cols[:, None] * K, c_mask, 0, K, 1, K, eps, blk == 0, dtype,
-                          PROLOGUE, HAS_RES, SWISH, HEAD, 1, BN, BK, False, VEC)
+                          PROLOGUE, HAS_RES, SWISH, HEAD, 1, BN, BK, 2, VEC, first)
         tl.store(y + cols[None, :], acc.to(y.dtype.element_ty), mask=c_mask[None, :])
 
 
@@ -99,27 +87,29 @@ def _decode_step_kernel(
         NEG_EIGVAL: tl.constexpr, SWISH: tl.constexpr, GREEDY: tl.constexpr,
         BN_IN: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr,
         BN_HEAD: tl.constexpr, BK_D: tl.constexpr, BK_O: tl.constexpr, BK_I: tl.constexpr,
-        BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr, VEC: tl.constexpr,
-        SPIN_LIMIT: tl.constexpr):
+        BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr, VEC: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     dtype = w_in.dtype.element_ty
     C = H * (2 * K + V)
     N_IN = C + H * V + 2 * H
     x_embed = embed + tl.load(token) * D
-    barrier = 0
+    # each phase's program arrives when its stores are done and waits, at its first load of
+    # something another program wrote, for all arrivals of the phase before (`phase` of them)
+    phase = 0
     for l in range(L):
         # A: the block input (the embedding, or the last MLP's output plus the residual)
         if l == 0:
             src = (x_embed, 0, zeros, 0, res_a, zeros, 0, attn_norm)
         else:
             src = (x_buf, 0, res_b, 0, res_a, zeros, 0, attn_norm + l * D)
-        _projection_phase(src, w_in + l * N_IN * D, y_in, N_IN, D, eps, pid, programs, dtype, 0, True, SWISH,
-                          1, BN_IN, BK_D, VEC)
-        barrier += 1
-        _grid_barrier(counter, barrier * programs, status, SPIN_LIMIT)
+        _projection_phase(src, w_in + l * N_IN * D, y_in, N_IN, D, eps, pid, programs,
+                          (counter, phase * programs, status), dtype, 0, True, SWISH, 1, BN_IN, BK_D, VEC)
+        grid_arrive(counter)
+        phase += 1
 
         # B: the recurrence, one (head, V tile) a unit
+        grid_wait(counter, phase * programs, status)
         cache_l = cache + l * C * W
         a = y_in + C + H * V
         for unit in range(pid, H * tl.cdiv(V, BV), programs):
@@ -129,56 +119,61 @@ def _decode_step_kernel(
                 dt_bias + l * H, h, scale, H, K, W, BK, BW, HAS_BIAS, NEG_EIGVAL)
             _state_tile_step(y_in, cache_l + 1, W, conv_w + l * C * W, conv_b + l * C, S + l * H * K * V,
                              o_buf, q, k, decay, beta, h, (unit // H) * BV, H, K, V, W, BK, BV, BW, HAS_BIAS)
-        barrier += 1
-        _grid_barrier(counter, barrier * programs, status, SPIN_LIMIT)
+        grid_arrive(counter)
+        phase += 1
 
         # C: gated norm + output projection; every conv window has been read: shift them
         src = (o_buf, 0, zeros, 0, zeros, y_in + C, 0, o_norm + l * V)
-        _projection_phase(src, w_o + l * D * H * V, x_buf, D, H * V, eps, pid, programs, dtype, 1, False,
-                          SWISH, V, BN_O, BK_O, VEC)
+        _projection_phase(src, w_o + l * D * H * V, x_buf, D, H * V, eps, pid, programs,
+                          (counter, phase * programs, status), dtype, 1, False, SWISH, V, BN_O, BK_O, VEC)
+        grid_wait(counter, phase * programs, status)       # at once for a program with no block above
         o_w = tl.arange(0, BW)
         for c0 in range(pid * BC, C, programs * BC):
             channels = c0 + tl.arange(0, BC)
             _shift_window(cache_l, W, y_in, channels, channels < C, o_w, o_w < W, W)
-        barrier += 1
-        _grid_barrier(counter, barrier * programs, status, SPIN_LIMIT)
+        grid_arrive(counter)
+        phase += 1
 
         # D: residual add + norm + gate/up projection
         src = (x_buf, 0, res_a, 0, res_b, zeros, 0, mlp_norm + l * D)
-        _projection_phase(src, w_gu + l * 2 * I * D, gu_buf, 2 * I, D, eps, pid, programs, dtype, 0, True,
-                          SWISH, 1, BN_GU, BK_D, VEC)
-        barrier += 1
-        _grid_barrier(counter, barrier * programs, status, SPIN_LIMIT)
+        _projection_phase(src, w_gu + l * 2 * I * D, gu_buf, 2 * I, D, eps, pid, programs,
+                          (counter, phase * programs, status), dtype, 0, True, SWISH, 1, BN_GU, BK_D, VEC)
+        grid_arrive(counter)
+        phase += 1
 
         # E: SwiGLU + down projection
         src = (gu_buf, 0, zeros, 0, zeros, zeros, 0, zeros)
-        _projection_phase(src, w_down + l * D * I, x_buf, D, I, eps, pid, programs, dtype, 2, False,
-                          SWISH, 1, BN_DOWN, BK_I, VEC)
-        barrier += 1
-        _grid_barrier(counter, barrier * programs, status, SPIN_LIMIT)
+        _projection_phase(src, w_down + l * D * I, x_buf, D, I, eps, pid, programs,
+                          (counter, phase * programs, status), dtype, 2, False, SWISH, 1, BN_DOWN, BK_I, VEC)
+        grid_arrive(counter)
+        phase += 1
 
     # F: final norm + LM head, fp32 logits (the residual it sums is not needed again)
     src = (x_buf, 0, res_b, 0, res_a, zeros, 0, final_norm)
     for blk in range(pid, tl.cdiv(VOCAB, BN_HEAD), programs):
         cols = blk * BN_HEAD + tl.arange(0, BN_HEAD)
         c_mask = cols < VOCAB
+        sync = (counter, tl.where(blk == pid, phase * programs, 0), status)
         acc = _gemv_slice(src, lm_head + cols[:, None] * D, c_mask, 0, D, 1, D, eps, False, dtype,
-                          0, True, SWISH, 1, 1, BN_HEAD, BK_D, False, VEC)
+                          0, True, SWISH, 1, 1, BN_HEAD, BK_D, 2, VEC, sync)
         tl.store(logits + cols[None, :], acc, mask=c_mask[None, :])
+    grid_arrive(counter)
+    phase += 1
     if GREEDY:
-        barrier += 1
-        _grid_barrier(counter, barrier * programs, status, SPIN_LIMIT)
         if pid == 0:
+            grid_wait(counter, phase * programs, status)
             _greedy_token(logits, VOCAB, next_token, out, count, max_out, 1024)
     # the last arrival re-arms the counter: every program has left every wait by then
     last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if last == (barrier + 1) * programs - 1:
+    if last == (phase + 1) * programs - 1:
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
-def _block_n(N: int, programs: int) -> int:
-    """Columns a block: about one block a program, 4 to 64 (power of two)."""
-    return max(4, min(64, triton.next_power_of_2(triton.cdiv(N, programs))))
+def _block_n(N: int, programs: int, block_k: int, elem: int) -> int:
+    """Columns a block: about one block a program, 4 to 64 (power of two), and a weight tile
+    of at most 16 KB (two of them in flight take 64 registers a thread at 4 warps)."""
+    fit = max(4, 16384 // (block_k * elem))
+    return max(4, min(64, fit, triton.next_power_of_2(triton.cdiv(N, programs))))
 
 
 class PersistentDecodeStep:
@@ -217,10 +212,12 @@ class PersistentDecodeStep:
         self.status = torch.zeros(1, device=dev, dtype=torch.int32)
         P, elem = self.programs, wt.w_in.element_size()
         bk = lambda k, head=1: max(head, 16, min(triton.next_power_of_2(k), 1024 // elem))  # noqa: E731
+        bn = lambda n, k: _block_n(n, P, k, elem)  # noqa: E731
         BK = triton.next_power_of_2(K)
+        BK_D, BK_O, BK_I = bk(D), bk(H * V, V), bk(I)
         self.blocks = dict(
-            BN_IN=_block_n(N_in, P), BN_O=_block_n(D, P), BN_GU=_block_n(2 * I, P), BN_DOWN=_block_n(D, P),
-            BN_HEAD=_block_n(self.shape["VOCAB"], P), BK_D=bk(D), BK_O=bk(H * V, V), BK_I=bk(I), BK=BK,
+            BN_IN=bn(N_in, BK_D), BN_O=bn(D, BK_O), BN_GU=bn(2 * I, BK_D), BN_DOWN=bn(D, BK_I),
+            BN_HEAD=bn(self.shape["VOCAB"], BK_D), BK_D=BK_D, BK_O=BK_O, BK_I=BK_I, BK=BK,
             BV=min(V, max(16, 4096 // BK)), BW=triton.next_power_of_2(W), BC=64, VEC=16 // elem)
 
     def __call__(self, token: torch.Tensor, cache: torch.Tensor, S: torch.Tensor, logits: torch.Tensor,
@@ -242,7 +239,7 @@ class PersistentDecodeStep:
             next_token, out, count, out.numel(), self.res_a, self.res_b, self.x, self.y_in, self.o,
             self.gate_up, self.counter, self.status, self.eps, self.scale, **s,
             HAS_BIAS=wt.conv_b is not None, NEG_EIGVAL=self.neg_eigval, SWISH=self.swish,
-            GREEDY=greedy is not None, SPIN_LIMIT=SPIN_LIMIT, **self.blocks, num_warps=4)
+            GREEDY=greedy is not None, **self.blocks, num_warps=4)
 
     def failed(self) -> bool:
         """Whether a barrier gave up waiting since this step was made (reads the device)."""

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
+from kernels.pdl import gdc_launch_dependents, gdc_wait, grid_wait, launch_options
 
 PROLOGUES = {"norm": 0, "gated_norm": 1, "swiglu": 2}
 MAX_ROWS = 64              # [BM, BK] input blocks live in registers
@@ -141,16 +141,22 @@ def _packed_products(w_tile, h, BN: tl.constexpr, BK: tl.constexpr, VEC: tl.cons
 @triton.jit
 def _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl.constexpr,
                 PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr, HEAD: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, VEC: tl.constexpr):
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WAIT: tl.constexpr, VEC: tl.constexpr,
+                sync=(0, 0, 0)):
     """[BM, BN] fp32 products over the K columns [k_lo, k_hi), for one or two rows. Each row
     has its own [BN, BK // VEC] accumulator in the weight tile's own register layout (a
     [BM, BN, BK] one would move every tile through shared memory to a 3-D layout), summed
     across threads once after the loop; the next tile is loaded before this one's products,
-    so each program keeps two tiles of loads outstanding."""
+    so each program keeps two tiles of loads outstanding. The first tile is loaded before
+    anything written by another kernel or program is read: WAIT 1 then waits for the
+    previous kernel (programmatic dependent launch), WAIT 2 for a grid barrier of a
+    persistent kernel, `sync` = (counter, arrivals, status) as `grid_wait` takes them."""
     offs = tl.arange(0, BK)
     wb = tl.load(w_rows + k_lo + offs[None, :], mask=c_mask[:, None] & (k_lo + offs < k_hi)[None, :], other=0.0)
-    if PDL:
+    if WAIT == 1:
         gdc_wait()
+    if WAIT == 2:
+        grid_wait(sync[0], sync[1], sync[2])
     row0 = tl.arange(0, 1)
     row1 = row0 + 1
     rstd0 = tl.zeros([1], dtype=tl.float32)
@@ -226,7 +232,7 @@ def _projection_kernel(x, x_stride, res, res_stride, res_out, gate, gate_stride,
     w_rows = w + cols[:, None] * K
     if GEMV:
         acc = _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, w.dtype.element_ty,
-                          PROLOGUE, HAS_RES, SWISH, HEAD, BM, BN, BK, PDL, VEC)
+                          PROLOGUE, HAS_RES, SWISH, HEAD, BM, BN, BK, 1 if PDL else 0, VEC)
     else:
         acc = _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, w.dtype.element_ty,
                          PROLOGUE, HAS_RES, SWISH, HEAD, DOT, BM, BN, BK)
