@@ -46,15 +46,20 @@ def _projection_phase(src, w, y, N, K, eps, pid, programs, sync, dtype: tl.const
                       BN: tl.constexpr, BK: tl.constexpr, VEC: tl.constexpr):
     """y = prologue(src) @ w.T [N] for one row, column blocks dealt round-robin; the block
     of column 0 also writes x + residual (PROLOGUE 0 with HAS_RES). Each program's first
-    block waits at the barrier `sync` once its first weight tile is in flight."""
+    block waits at the barrier `sync` once its first weight tile is in flight; a program with
+    no block waits too, or its arrivals would run ahead and count for a phase that another
+    program has not finished."""
     counter, arrivals, status = sync
-    for blk in range(pid, tl.cdiv(N, BN), programs):
+    blocks = tl.cdiv(N, BN)
+    for blk in range(pid, blocks, programs):
         cols = blk * BN + tl.arange(0, BN)
         c_mask = cols < N
         first = (counter, tl.where(blk == pid, arrivals, 0), status)
         acc = _gemv_slice(src, w + cols[:, None] * K, c_mask, 0, K, 1, K, eps, blk == 0, dtype,
                           PROLOGUE, HAS_RES, SWISH, HEAD, 1, BN, BK, 2, VEC, first)
         tl.store(y + cols[None, :], acc.to(y.dtype.element_ty), mask=c_mask[None, :])
+    if pid >= blocks:
+        grid_wait(counter, arrivals, status)
 
 
 @triton.jit
@@ -95,7 +100,9 @@ def _decode_step_kernel(
     N_IN = C + H * V + 2 * H
     x_embed = embed + tl.load(token) * D
     # each phase's program arrives when its stores are done and waits, at its first load of
-    # something another program wrote, for all arrivals of the phase before (`phase` of them)
+    # something another program wrote, for all arrivals of the phases before (`phase` of them
+    # each). Every program waits in every phase, so the count says that every program has
+    # finished the phase before, not only that enough arrivals were made.
     phase = 0
     for l in range(L):
         # A: the block input (the embedding, or the last MLP's output plus the residual)
@@ -157,6 +164,8 @@ def _decode_step_kernel(
         acc = _gemv_slice(src, lm_head + cols[:, None] * D, c_mask, 0, D, 1, D, eps, False, dtype,
                           0, True, SWISH, 1, 1, BN_HEAD, BK_D, 2, VEC, sync)
         tl.store(logits + cols[None, :], acc, mask=c_mask[None, :])
+    if pid >= tl.cdiv(VOCAB, BN_HEAD):
+        grid_wait(counter, phase * programs, status)
     grid_arrive(counter)
     phase += 1
     if GREEDY:
