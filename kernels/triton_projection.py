@@ -142,7 +142,7 @@ def _packed_products(w_tile, h, BN: tl.constexpr, BK: tl.constexpr, VEC: tl.cons
 def _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl.constexpr,
                 PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr, HEAD: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WAIT: tl.constexpr, VEC: tl.constexpr,
-                sync=(0, 0, 0)):
+                sync):
     """[BM, BN] fp32 products over the K columns [k_lo, k_hi), for one or two rows. Each row
     has its own [BN, BK // VEC] accumulator in the weight tile's own register layout (a
     [BM, BN, BK] one would move every tile through shared memory to a 3-D layout), summed
@@ -232,7 +232,8 @@ def _projection_kernel(x, x_stride, res, res_stride, res_out, gate, gate_stride,
     w_rows = w + cols[:, None] * K
     if GEMV:
         acc = _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, w.dtype.element_ty,
-                          PROLOGUE, HAS_RES, SWISH, HEAD, BM, BN, BK, 1 if PDL else 0, VEC)
+                          PROLOGUE, HAS_RES, SWISH, HEAD, BM, BN, BK, 1 if PDL else 0, VEC,
+                          (counters, 0, counters))    # no grid barrier: WAIT is not 2
     else:
         acc = _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, w.dtype.element_ty,
                          PROLOGUE, HAS_RES, SWISH, HEAD, DOT, BM, BN, BK)
