@@ -18,6 +18,8 @@ cost of the variant for one layer inside a graph. Timed, over draft sizes N = 1.
            at the 1.3B and the embedded head shapes, and its tilings
   pdl      a model's fused projections back to back, with and without programmatic
            dependent launch
+  barrier  a grid-wide barrier inside a persistent launch against an empty launch in a
+           graph (plain and PDL): what a phase boundary costs by itself
   memory   factor bytes vs dense snapshot bytes per node
   projection  the fused projections' tilings against fla's norm kernel + cuBLAS, bf16, at the
            embedded model's widths and the 1.3B shape's, 1 and 9 rows (issue #15's sweep)
@@ -41,15 +43,39 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernels import reference  # noqa: E402
+from kernels.pdl import gdc_launch_dependents, gdc_wait, grid_arrive, grid_wait  # noqa: E402
 
 B, H, K, V = 1, 8, 256, 256
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 MAX_DRAFT_NODES = 256          # specla.tree.MAX_TREE_NODES: the largest draft the runtime takes
+
+
+@triton.jit
+def _barriers_kernel(counter, status, PHASES: tl.constexpr):
+    """PHASES grid-wide barriers and nothing else; the last arrival re-arms the counter."""
+    programs = tl.num_programs(0)
+    for i in range(PHASES):
+        grid_arrive(counter)
+        grid_wait(counter, (i + 1) * programs, status)
+    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if last == (PHASES + 1) * programs - 1:
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _empty_kernel(flag, PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    if tl.program_id(0) == 0:
+        tl.store(flag, 0)
 
 
 # ---------------------------------------------------------------------------------------
@@ -478,6 +504,28 @@ class Bench:
                         pdl.use_pdl(before)
                 del layers
 
+    def barrier_cost(self, phases: int = 32, programs=(8, 32, 66, 132)) -> None:
+        """What a phase boundary costs with no work around it: `phases` grid-wide barriers
+        inside one persistent launch (kernels/pdl.py's, as the whole decode step uses them)
+        against `phases` empty launches in a graph, plainly and with programmatic dependent
+        launch; microseconds per boundary (a sample divided by `phases`)."""
+        counter, status, flag = (torch.zeros(1, device=self.dev, dtype=torch.int32) for _ in range(3))
+        sms = torch.cuda.get_device_properties(self.dev).multi_processor_count
+        for P in sorted({min(p, sms) for p in programs}):
+            rec = self.run("grid_barrier", lambda l, P=P: _barriers_kernel[(P,)](counter, status, phases),
+                           programs=P, phases=phases)
+            for pdl in (False, True):
+                launch = dict(launch_pdl=True) if pdl else {}
+                def chain(l, P=P, pdl=pdl, launch=launch):
+                    for _ in range(phases):
+                        _empty_kernel[(P,)](flag, pdl, **launch)
+                rec_launch = self.run("empty_launches", chain, programs=P, phases=phases, pdl=pdl)
+                if rec and rec_launch:
+                    self.log(f"  {P} programs: {rec['us']['median'] / phases:.2f} us a barrier, "
+                             f"{rec_launch['us']['median'] / phases:.2f} us a launch (pdl={pdl})")
+        if status.item():
+            raise RuntimeError("a grid barrier gave up waiting")
+
     def projection_sweep(self, rows=(1, 9), models: tuple[str, ...] = ()) -> None:
         """The fused projections' tilings (kernels/triton_projection.py) against the default
         path, fla's separate norm / SwiGLU kernel then cuBLAS, per layer in bf16, at the
@@ -716,7 +764,7 @@ def main(argv=None) -> int:
                         help="distinct layer states rotated in each graph (48 x 2 MiB > L2)")
     parser.add_argument("--quick", action="store_true", help="fewer replays (a smoke run)")
     parser.add_argument("--skip", default="", help="comma list of sections to skip: "
-                        "checks,verify,sweep,parallel,commit,deferred,projection,pdl,gemv")
+                        "checks,verify,sweep,parallel,commit,deferred,projection,pdl,barrier,gemv")
     parser.add_argument("--only", default="", help="comma list of the only sections to run")
     parser.add_argument("--projection-rows", default="1,9",
                         help="comma list of row counts the projection sweep times")
@@ -729,7 +777,6 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
     bench = Bench(args)
-    import triton
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "B": B, "H": H, "K": K, "V": V,
             "layers_per_graph": args.layers, "repeats": bench.repeats, "replays": bench.replays,
@@ -749,6 +796,7 @@ def main(argv=None) -> int:
                 ("sweep", bench.walk_sweep),
                 ("parallel", bench.parallel_sweep),
                 ("pdl", bench.pdl_chain),
+                ("barrier", bench.barrier_cost),
                 ("gemv", lambda: bench.gemv_sweep(tuple(filter(None, args.projection_models.split(","))))),
                 ("projection", lambda: bench.projection_sweep(
                     tuple(int(r) for r in args.projection_rows.split(",")),
