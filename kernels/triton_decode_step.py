@@ -1,14 +1,15 @@
 """A whole AR decoding step of a Gated DeltaNet model in one persistent Triton launch:
 `decode_step_ref` in `kernels/reference.py`.
 
-Why: a small target's step is launch latency. The embedded 13M model's weights (26 MB) sit
-in the H200's L2 cache and its bytes floor is ~7 us, yet its step of 38 fused launches took
-85 us (benchmarks/results/h200/session13/): about 2.2 us a kernel boundary. Inside one
-launch a boundary becomes a grid-wide barrier: every program arrives on a counter in global
-memory and spins until all have, which is one round trip through L2 instead of a kernel's
-drain, launch and ramp. The barrier is split (`kernels/pdl.py`: `grid_arrive`,
-`grid_wait`): a program arrives when its stores are done, and in the next phase loads its
-first weight tile before it waits, so those loads overlap the wait as PDL overlaps a launch.
+Why: a small target's step is latency, not bandwidth. The embedded 13M model's weights
+(26 MB) sit in the H200's L2 cache and its bytes floor is ~7 us, yet a step of 38 fused
+launches takes ~85 us. Inside one launch a kernel boundary becomes a grid-wide barrier: every
+program arrives on a counter in global memory and spins until all have. The barrier is split
+(`kernels/pdl.py`: `grid_arrive`, `grid_wait`): a program arrives when its stores are done,
+and in the next phase loads its first weight tile before it waits, so those loads overlap
+the wait as PDL overlaps a launch. A barrier costs about what a PDL launch boundary does
+(~1 us against ~0.7 on the H200, `benchmarks/bench_kernels.py --only barrier`), so the step's
+cost is its number of dependent phases times a barrier and a phase's own round trips.
 
 The step runs as phases separated by barriers; each phase splits its work over all
 programs, and every program recomputes the small vectors it needs (a norm's mean square

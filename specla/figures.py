@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import html
 import math
-import unicodedata
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from specla.trace import max_depth_of, predicted_tau
+from specla.trace import max_depth_of, predicted_tau, visible
 from specla.tree import DraftTree
 
 # Okabe-Ito colours (colour-blind safe)
@@ -53,35 +52,6 @@ def empty_figure(title: str, message: str, view: str = "empty") -> go.Figure:
 
 # ---------------------------------------------------------------------------------------
 # text
-
-
-def visible(text: str, limit: int | None = None, spaces: bool = False) -> str:
-    """Token text with whitespace and control characters made visible (plain text).
-
-    `spaces` shows spaces as "·" too (short labels, where a space token would vanish).
-    """
-    if text == "":
-        return "∅"
-    out = []
-    for ch in text:
-        if ch == "\n":
-            out.append("↵")
-        elif ch == "\t":
-            out.append("→")
-        elif ch == " " and spaces:
-            out.append("·")
-        elif ord(ch) < 0x20:
-            out.append(chr(0x2400 + ord(ch)))
-        elif ch == "\x7f":
-            out.append("␡")
-        elif unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"):
-            out.append(f"\\u{ord(ch):04x}")
-        else:
-            out.append(ch)
-    s = "".join(out)
-    if limit is not None and len(s) > limit:
-        s = s[:limit - 1] + "…"
-    return s
 
 
 def escape(text: str) -> str:

@@ -29,7 +29,6 @@ from specla.decode import MAX_NEW_TOKENS, DecodeSettings, check_prompt
 from specla.drafters.base import Draft, DraftContext, DraftSettings
 from specla.drafters.oracle import OracleDrafter
 from specla.engine import Engine
-from specla.figures import visible
 from specla.tree import MAX_TREE_NODES, DraftTree, TreeError
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -698,7 +697,7 @@ def replay(data: Any, runtime: Runtime | None = None) -> tuple[dict, str]:
     """Validate a loaded trace for display; the note says if its model is not the loaded one."""
     trace = tr.validate_trace(data)
     model = trace.get("model", {})
-    name = visible(str(model.get("name", "unknown model")), 80)
+    name = tr.visible(str(model.get("name", "unknown model")), 80)
     if runtime is None:
         return trace, f"Replaying a saved trace of {name} (no model needed)."
     if model.get("fingerprint") and model.get("fingerprint") == runtime.fingerprint:

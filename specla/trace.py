@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import unicodedata
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -300,3 +301,32 @@ def load_trace(path: str | Path) -> dict:
     except json.JSONDecodeError as err:
         raise TraceError(f"trace file is not valid JSON (truncated?): {err.msg} at line {err.lineno}") from None
     return validate_trace(data)
+
+
+def visible(text: str, limit: int | None = None, spaces: bool = False) -> str:
+    """Token text with whitespace and control characters made visible (plain text).
+
+    `spaces` shows spaces as "·" too (short labels, where a space token would vanish).
+    """
+    if text == "":
+        return "∅"
+    out = []
+    for ch in text:
+        if ch == "\n":
+            out.append("↵")
+        elif ch == "\t":
+            out.append("→")
+        elif ch == " " and spaces:
+            out.append("·")
+        elif ord(ch) < 0x20:
+            out.append(chr(0x2400 + ord(ch)))
+        elif ch == "\x7f":
+            out.append("␡")
+        elif unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"):
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    s = "".join(out)
+    if limit is not None and len(s) > limit:
+        s = s[:limit - 1] + "…"
+    return s
