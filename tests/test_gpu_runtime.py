@@ -91,6 +91,37 @@ def test_graphed_ar_equals_eager_decode(device):
     assert torch.allclose(ar.state.conv[..., 1:].cpu(), ref.state.conv, rtol=1e-4, atol=1e-5)
 
 
+class _StubWholeStep:
+    """Stands in for the persistent AR step: writes token 7 greedily; `failed` as told."""
+
+    def __init__(self, gave_up: bool):
+        self.gave_up = gave_up
+
+    def __call__(self, token, conv, recurrent, logits, greedy):
+        next_token, out, count = greedy
+        next_token.fill_(7)
+        out[count] = 7
+        count.add_(1)
+
+    def failed(self) -> bool:
+        return self.gave_up
+
+
+@pytest.mark.parametrize("gave_up", [False, True])
+def test_graphed_ar_refuses_tokens_of_a_step_whose_barrier_gave_up(gave_up):
+    rt = PackedTarget(random_gdn(SMALL, "cpu", torch.float32, seed=0), "torch")
+    rt.whole_step = _StubWholeStep(gave_up)
+    ar = GraphedAR(rt, max_len=16, use_graph=False)
+    if gave_up:
+        with pytest.raises(RuntimeError, match="grid barrier"):
+            ar.decode(4)
+        with pytest.raises(RuntimeError, match="grid barrier"):
+            ar.timed_generate(ar.state.clone(), 1, 4)
+    else:
+        assert ar.decode(4) == [7] * 4
+        assert ar.timed_generate(ar.state.clone(), 1, 3)[0] == [7] * 3
+
+
 # --------------------------------------------------------------------------- speculation
 
 @pytest.mark.parametrize("deferred", [True, False], ids=["deferred", "immediate"])

@@ -96,7 +96,16 @@ class GraphedAR:
         self.count.zero_()
         for _ in range(n):
             self.replay()
-        return self.out[:n].tolist()
+        return self._read(n)
+
+    def _read(self, n: int) -> list[int]:
+        """The first n tokens of the output buffer, refused if the persistent step's grid
+        barrier gave up (its programs could not all be resident: the tokens are wrong)."""
+        tokens = self.out[:n].tolist()
+        if self.rt.whole_step is not None and self.rt.whole_step.failed():
+            raise RuntimeError("the persistent AR step timed out at a grid barrier (other work held the "
+                               "GPU's SMs), so its tokens were not kept")
+        return tokens
 
     @torch.no_grad()
     def continue_after(self, state: StaticState, root: int, forced: list[int], n: int) -> list[int]:
@@ -115,7 +124,7 @@ class GraphedAR:
         with Stopwatch(self.rt.device) as sw:
             for _ in range(n):
                 self.replay()
-        return self.out[:n].tolist(), sw.ms
+        return self._read(n), sw.ms
 
     @torch.no_grad()
     def logits_along(self, state: StaticState, root: int, tokens: list[int]) -> torch.Tensor:
