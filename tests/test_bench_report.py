@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -206,16 +209,20 @@ def test_targets_say_met_or_by_how_much_missed():
     assert report.targets(e)[1]["goal"] == 1.5
 
 
-def test_launch_counts_profiles_every_body_of_a_step(tmp_path, one_thread):
-    """benchmarks/launch_counts.py on the CPU: each body of a step is profiled (there its aten
-    ops are counted), and a verify of 8 nodes does more work than one AR step."""
+def _launch_counts_module():
+    """benchmarks/launch_counts.py loaded from its file, wherever pytest runs."""
     import importlib.util
-    from pathlib import Path
-
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "launch_counts.py"
     spec = importlib.util.spec_from_file_location("launch_counts", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_launch_counts_profiles_every_body_of_a_step(tmp_path, one_thread):
+    """benchmarks/launch_counts.py on the CPU: each body of a step is profiled (there its aten
+    ops are counted), and a verify of 8 nodes does more work than one AR step."""
+    module = _launch_counts_module()
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n")
     assert module.main(["--out", str(tmp_path), "--device", "cpu", "--ops", "torch,auto",
@@ -230,18 +237,11 @@ def test_launch_counts_profiles_every_body_of_a_step(tmp_path, one_thread):
     assert bodies["verify"]["kernel_us"] > bodies["ar_step"]["kernel_us"]
 
 
-
 def test_launch_counts_profiles_the_oracle_step_of_another_model(tmp_path, one_thread):
     """launch_counts.py on one of the runner's other models with its oracle drafter (on the GPU:
     the GDN-1.3B shape, issue #16's profile): the oracle's device step is counted, and the file
     names the model and the bytes of its weights."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "launch_counts.py"
-    spec = importlib.util.spec_from_file_location("launch_counts", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _launch_counts_module()
     assert module.main(["--out", str(tmp_path), "--device", "cpu", "--model", "random-tiny",
                         "--drafter", "oracle", "--budget", "8"]) == 0
     result = json.loads((tmp_path / "launch_counts.json").read_text())
@@ -295,9 +295,6 @@ def test_the_projection_sweep_covers_each_fused_projection_of_both_models():
 def test_the_benchmarks_import_without_plotly():
     """The GPU machine has no plotly: the engine, the runner and the benchmark scripts load
     without it (only the HTML report and the app's figures need it)."""
-    import subprocess
-    import sys
-    from pathlib import Path
     repo = Path(__file__).resolve().parent.parent
     code = ("import builtins\nreal = builtins.__import__\n"
             "def no_plotly(name, *a, **k):\n"
