@@ -4,6 +4,7 @@
 # (write the hash out where the command is composed: on a copied tree, $(git rev-parse HEAD)
 # can read stale git metadata and record the wrong commit)
 # Stages: tests (pytest -m gpu), kernel-tests (tests/test_kernels.py on the GPU), runtime, kernels, e2e, e2e-quick,
+# whole-step (the persistent AR step's GPU tests, launch counts and speed, the barrier's cost),
 # app (benchmarks/app_vs_bench.py: the real app over HTTP against the bench's rows; options in APP_ARGS,
 # cases named without spaces, e.g. --cases block_chain,lilicorr_best-first_16), launch-counts (kernels per step body),
 # projection-sweep (benchmarks/bench_kernels.py --only projection), gemv (--only gemv), parallel (--only parallel,pdl), ops-compare (fla against the fused projections,
@@ -66,6 +67,16 @@ for stage in "$@"; do
         --speed-prompts data/corpus/heldout_prompts.jsonl --speed-limit 6 --tokens 128 2>&1 | tee "$R/log_lc_embedded.txt"
       timeout "${T_OPS_COMPARE_1P3B:-110}" python3 benchmarks/launch_counts.py --out "$R/lc_1p3b" --model gdn-1.3b-random \
         --budget 8 --ops fla,fused 2>&1 | tee "$R/log_lc_1p3b.txt" ;;
+    whole-step) # the persistent AR step (issue #15): its GPU tests, its launches and speed against the
+      # per-op path on held-out prompts, and what a grid barrier costs against a launch
+      timeout "${T_WHOLE_TESTS:-130}" python3 -m pytest -v -p no:cacheprovider tests/test_decode_step.py \
+        tests/test_conv_recurrent_step.py -k "not interpreter" > "$R/gpu_tests_decode.txt" 2>&1
+      tail -2 "$R/gpu_tests_decode.txt"
+      timeout "${T_WHOLE_SPEED:-230}" python3 benchmarks/launch_counts.py --out "$R/lc_whole" \
+        --ops fused+nowhole,fused,fused+p64 --speed-prompts data/corpus/heldout_prompts.jsonl --speed-limit 3 \
+        --tokens 128 2>&1 | tee "$R/log_lc_whole.txt"
+      timeout "${T_BARRIER:-120}" python3 benchmarks/bench_kernels.py --out "$R/barrier" --only barrier \
+        2>&1 | tee "$R/log_barrier.txt" ;;
     speedup) # the model-free drafter beside the trained ones, on both prompt sets (needs data/corpus/*_prompts.jsonl)
       timeout "${T_SPEEDUP:-240}" python3 benchmarks/run_acceptance.py --speedup --device cuda --limit 8 \
         --max-new-tokens 128 --out "$R" --name speedup_h200 --rows ${SPEEDUP_ROWS:-ngram:chain:1:8:depth=8 \
