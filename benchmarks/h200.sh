@@ -5,6 +5,7 @@
 # can read stale git metadata and record the wrong commit)
 # Stages: tests (pytest -m gpu), kernel-tests (tests/test_kernels.py on the GPU), runtime, kernels, e2e, e2e-quick,
 # whole-step (the persistent AR step's GPU tests, launch counts and speed, the barrier's cost),
+# chain-verify (the persistent chain verification's GPU tests, launch counts and speed, engine exactness),
 # app (benchmarks/app_vs_bench.py: the real app over HTTP against the bench's rows; options in APP_ARGS,
 # cases named without spaces, e.g. --cases block_chain,lilicorr_best-first_16), launch-counts (kernels per step body),
 # projection-sweep (benchmarks/bench_kernels.py --only projection), gemv (--only gemv), parallel (--only parallel,pdl), ops-compare (fla against the fused projections,
@@ -77,6 +78,18 @@ for stage in "$@"; do
         --tokens 128 2>&1 | tee "$R/log_lc_whole.txt"
       timeout "${T_BARRIER:-120}" python3 benchmarks/bench_kernels.py --out "$R/barrier" --only barrier \
         2>&1 | tee "$R/log_barrier.txt" ;;
+    chain-verify) # the persistent chain verification (issue #15): its GPU tests against the reference, launches
+      # and speed against the per-op verification on held-out prompts, and the engine's exactness with it
+      timeout "${T_VERIFY_TESTS:-200}" python3 -m pytest -v -p no:cacheprovider tests/test_verify_step.py \
+        -k "not interpreter" > "$R/gpu_tests_verify.txt" 2>&1
+      tail -2 "$R/gpu_tests_verify.txt"
+      timeout "${T_VERIFY_SPEED:-230}" python3 benchmarks/launch_counts.py --out "$R/lc_verify" \
+        --ops fused+noverify,fused --speed-prompts data/corpus/heldout_prompts.jsonl --speed-limit 3 \
+        --tokens 128 2>&1 | tee "$R/log_lc_verify.txt"
+      timeout "${T_VERIFY_ENGINE:-150}" python3 -m pytest -v -p no:cacheprovider tests/test_gpu_runtime.py -k \
+        "graphed_ar_equals_eager or graphed_spec_with_fused or (graphed_spec_equals_ar_fp32 and cuda) or bf16_diverges" \
+        > "$R/gpu_tests_runtime.txt" 2>&1
+      tail -2 "$R/gpu_tests_runtime.txt" ;;
     speedup) # the model-free drafter beside the trained ones, on both prompt sets (needs data/corpus/*_prompts.jsonl)
       timeout "${T_SPEEDUP:-240}" python3 benchmarks/run_acceptance.py --speedup --device cuda --limit 8 \
         --max-new-tokens 128 --out "$R" --name speedup_h200 --rows ${SPEEDUP_ROWS:-ngram:chain:1:8:depth=8 \

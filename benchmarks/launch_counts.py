@@ -92,7 +92,7 @@ def count_bodies(runtime, ops: str, args) -> tuple[dict, Engine]:
         dec = engine.decoder(drafter, settings, draft)
         # a host drafter's decoder keeps one captured step per draft size: count the largest
         spec = dec.spec if dec.on_device else max(dec.specs.values(), key=lambda sp: sp.tokens.shape[-1])
-    variant = {"ops": engine.ops_note, "dtype": str(engine.dtype).replace("torch.", ""), "bodies": {},
+    variant = {"ops": engine.ops_note, "verify": getattr(spec, "verify_note", None), "dtype": str(engine.dtype).replace("torch.", ""), "bodies": {},
                "ar_ms_per_token": ar_wall_time(ar, snapshot, prompt[-1], settings.max_new_tokens)}
     bodies = {"ar_step": ar._step, "draft": spec.draft, "verify": spec.verify,
               "accept (compiled)" if spec.compiled else "accept": spec._accept}
@@ -170,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
                         "dependent launch (kernels/pdl.py); +nostep runs a small-headed AR token's conv and "
                         "recurrence as two launches (fla's), not one (kernels/triton_conv_gates.py); +nowhole runs "
                         "a narrow target's AR token as per-op launches, not one persistent launch "
-                        "(kernels/triton_decode_step.py), +whole runs it at any width, and +pN with N programs")
+                        "(kernels/triton_decode_step.py), +whole runs it at any width, and +pN with N programs; "
+                        "+noverify verifies chains with per-op launches, not one persistent launch "
+                        "(kernels/triton_verify_step.py)")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
     p.add_argument("--speed-limit", type=int, default=8)
     p.add_argument("--tokens", type=int, default=128)
@@ -197,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         whole_step.WHOLE_STEP_MAX_HIDDEN = (0 if "nowhole" in flags else 1 << 30 if "whole" in flags
                                             else whole_max_hidden)
         whole_step.WHOLE_STEP_PROGRAMS = next((int(f[1:]) for f in flags if f[:1] == "p" and f[1:].isdigit()), None)
+        whole_step.WHOLE_VERIFY = "noverify" not in flags
         try:
             variant, engine = count_bodies(runtime, ops, args)
             variant["pdl"] = pdl.pdl_applies(runtime.device)
@@ -208,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             pdl.use_pdl(True)
             graph_ops.FUSED_STEP_MAX_STATE = step_max_state
             whole_step.WHOLE_STEP_MAX_HIDDEN, whole_step.WHOLE_STEP_PROGRAMS = whole_max_hidden, None
+            whole_step.WHOLE_VERIFY = True
         result["variants"][name] = variant
         (args.out / "launch_counts.json").write_text(json.dumps(result, indent=1))   # kept if a later set fails
     return 0

@@ -352,6 +352,51 @@ def decode_step_ref(token: int, wt: DecodeWeights, cache: torch.Tensor, S: torch
     return torch.nn.functional.linear(h.float(), wt.lm_head.float()).view(-1), S, cache
 
 
+def chain_verify_step_ref(tokens: list[int], wt: DecodeWeights, cache: torch.Tensor, S: torch.Tensor, eps: float,
+                          head_dim: int, head_v_dim: int, pending=None, feature_layers: tuple[int, ...] = (),
+                          swish: bool = True, neg_eigval: bool = False) -> dict[str, torch.Tensor | None]:
+    """A draft chain's verification forward through the whole model, composed of the per-op
+    references: tokens[0] is the root and each token the next one's parent.
+
+    cache [L, 1, C, W] (the committed conv inputs, newest last) and S [L, 1, H, K, V] fp32
+    are read, not written; `pending` (k [L,1,P,H,K], delta [L,1,P,H,V], g [L,1,P,H]) is the
+    deferred commit, folded into S first. Returns logits [N, vocab] fp32, hidden [N, D] (the
+    final norm's rows), features [N, F, D] (the outputs of `feature_layers`, or None), S (the
+    state with the pending commit folded) and each layer's factors k [L,1,N,H,K],
+    g [L,1,N,H], delta [L,1,N,H,V] fp32 and conv_in [L,1,N,C] (the raw conv inputs).
+    """
+    H, V = wt.neg_A.shape[1], head_v_dim
+    L, C, W = cache.shape[0], cache.shape[2], cache.shape[3]
+    N = len(tokens)
+    index = torch.arange(N)[:, None] + torch.arange(W)[None, :]
+    x, residual = wt.embed[torch.tensor(tokens)].unsqueeze(0), None
+    S = S.float().clone()
+    factors: dict[str, list[torch.Tensor]] = {"k": [], "g": [], "delta": [], "conv_in": []}
+    feats = []
+    for l in range(L):
+        y, residual = norm_linear_ref(x, wt.attn_norm[l], eps, residual, wt.w_in[l])
+        if l > 0 and l - 1 in feature_layers:
+            feats.append(residual[0])
+        conv_in, gate, a, b = y.split([C, H * V, H, H], dim=-1)
+        bias = None if wt.conv_b is None else wt.conv_b[l]
+        q, k, v, g, beta = conv_gates_ref(conv_in, cache[l][..., 1:], index, wt.conv_w[l], bias, a, b, wt.neg_A[l],
+                                          wt.dt_bias[l], head_dim, V, neg_eigval)
+        if pending is not None:
+            S[l] = commit_ref(S[l], pending[0][l], pending[1][l], pending[2][l])
+        o, delta = chain_verify_ref(q, k, v, g, beta, S[l])
+        for name, value in (("k", k), ("g", g), ("delta", delta), ("conv_in", conv_in)):
+            factors[name].append(value)
+        x = gated_norm_linear_ref(o, gate, wt.o_norm[l], eps, "swish" if swish else "sigmoid", wt.w_o[l])
+        gate_up, residual = norm_linear_ref(x, wt.mlp_norm[l], eps, residual, wt.w_gate_up[l])
+        x = swiglu_linear_ref(gate_up, wt.w_down[l])
+    h, residual = rms_norm_ref(x, wt.final_norm, eps, residual)
+    if L - 1 in feature_layers:
+        feats.append(residual[0])
+    logits = torch.nn.functional.linear(h.float(), wt.lm_head.float())[0]
+    return dict(logits=logits, hidden=h[0], features=torch.stack(feats, dim=1) if feats else None, S=S,
+                **{name: torch.stack(values) for name, values in factors.items()})
+
+
 VERIFY_REFERENCES = {
     "tree": tree_verify_ref,
     "hybrid": hybrid_verify_ref,

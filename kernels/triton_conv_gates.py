@@ -59,14 +59,13 @@ def _log_decay_and_beta(a, b, neg_A, dt_bias, h, NEG_EIGVAL: tl.constexpr):
 
 
 @triton.jit
-def _conv_gates_kernel(x, x_row_stride, window, window_stride, index, weight, bias,
-                       a, b, ab_row_stride, neg_A, dt_bias,
-                       q_out, k_out, v_out, g_out, beta_out, x_out, C, scale,
-                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, NEG_EIGVAL: tl.constexpr, COPY_X: tl.constexpr):
-    n = tl.program_id(0)
-    h = tl.program_id(1)
+def _conv_gates_node(x, x_row_stride, window, window_stride, index, weight, bias,
+                     a, b, ab_row_stride, neg_A, dt_bias,
+                     q_out, k_out, v_out, g_out, beta_out, x_out, C, scale, n, h,
+                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, NEG_EIGVAL: tl.constexpr, COPY_X: tl.constexpr):
+    """Node n, head h: its conv window, q, k, v, g, beta and (COPY_X) its raw conv inputs."""
     o_w = tl.arange(0, BW)
     w_mask = o_w < W
     rows = tl.load(index + n * W + o_w, mask=w_mask, other=0)
@@ -100,6 +99,18 @@ def _conv_gates_kernel(x, x_row_stride, window, window_stride, index, weight, bi
         tl.store(x_out + n * C + q_ch, tl.load(x + n * x_row_stride + q_ch, mask=k_mask), mask=k_mask)
         tl.store(x_out + n * C + k_ch, tl.load(x + n * x_row_stride + k_ch, mask=k_mask), mask=k_mask)
         tl.store(x_out + n * C + v_ch, tl.load(x + n * x_row_stride + v_ch, mask=v_mask), mask=v_mask)
+
+
+@triton.jit
+def _conv_gates_kernel(x, x_row_stride, window, window_stride, index, weight, bias,
+                       a, b, ab_row_stride, neg_A, dt_bias,
+                       q_out, k_out, v_out, g_out, beta_out, x_out, C, scale,
+                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, NEG_EIGVAL: tl.constexpr, COPY_X: tl.constexpr):
+    _conv_gates_node(x, x_row_stride, window, window_stride, index, weight, bias, a, b, ab_row_stride,
+                     neg_A, dt_bias, q_out, k_out, v_out, g_out, beta_out, x_out, C, scale,
+                     tl.program_id(0), tl.program_id(1), H, K, V, W, BK, BV, BW, HAS_BIAS, NEG_EIGVAL, COPY_X)
 
 
 def conv_gates(x: torch.Tensor, window: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,

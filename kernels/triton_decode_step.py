@@ -186,6 +186,22 @@ def _block_n(N: int, programs: int, block_k: int, elem: int) -> int:
     return max(4, min(64, fit, triton.next_power_of_2(triton.cdiv(N, programs))))
 
 
+def check_decode_weights(wt: DecodeWeights, H: int, K: int, V: int, what: str) -> None:
+    """Raise ValueError unless the stacked weights fit heads [K, V] with an output gate, a
+    power-of-two head width (the fused gated norm's) and contiguous tensors."""
+    N_in = wt.w_in.shape[1]
+    C = wt.conv_w.shape[1]
+    if C != H * (2 * K + V) or N_in != C + H * V + 2 * H:
+        raise ValueError(f"{what}: w_in {tuple(wt.w_in.shape)} and conv {tuple(wt.conv_w.shape)} do not "
+                         f"fit H={H}, K={K}, V={V} with an output gate")
+    if triton.next_power_of_2(V) != V or V < 16:
+        raise ValueError(f"{what}: head width {V}: the fused gated norm takes powers of two from 16")
+    for name in ("attn_norm", "w_in", "conv_w", "neg_A", "dt_bias", "o_norm", "w_o", "mlp_norm",
+                 "w_gate_up", "w_down", "embed", "lm_head", "final_norm"):
+        if not getattr(wt, name).is_contiguous():
+            raise ValueError(f"{what}: {name} must be contiguous")
+
+
 class PersistentDecodeStep:
     """One launch per AR token for a GDN model of heads [K, V] and one gated output: the
     weights, the scratch vectors and the barrier counter, made once (a CUDA graph holds
@@ -198,15 +214,7 @@ class PersistentDecodeStep:
         H, K, V = num_heads, head_dim, head_v_dim
         C, W = wt.conv_w.shape[1:]
         I = wt.w_down.shape[2]
-        if C != H * (2 * K + V) or N_in != C + H * V + 2 * H:
-            raise ValueError(f"decode step: w_in {tuple(wt.w_in.shape)} and conv {tuple(wt.conv_w.shape)} do not "
-                             f"fit H={H}, K={K}, V={V} with an output gate")
-        if triton.next_power_of_2(V) != V or V < 16:
-            raise ValueError(f"decode step: head width {V}: the fused gated norm takes powers of two from 16")
-        for name in ("attn_norm", "w_in", "conv_w", "neg_A", "dt_bias", "o_norm", "w_o", "mlp_norm",
-                     "w_gate_up", "w_down", "embed", "lm_head", "final_norm"):
-            if not getattr(wt, name).is_contiguous():
-                raise ValueError(f"decode step: {name} must be contiguous")
+        check_decode_weights(wt, H, K, V, "decode step")
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else DEFAULT_SMS
         self.programs = min(programs or sms, sms)
         self.weights, self.device, self.dtype = wt, dev, wt.w_in.dtype

@@ -447,10 +447,9 @@ def _tree_gram_kernel(
 
 
 @triton.jit
-def _node_tile(N, H: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr):
-    """A (head, V tile) program's indices over all BN nodes: batch, head, batch * H + head,
-    node offsets and mask, the nodes' rows in [B, N, H, *] tensors, and its value columns."""
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+def _node_tile(N, H: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr, i_v, i_bh):
+    """A (head, V tile)'s indices over all BN nodes: batch, head, batch * H + head, node
+    offsets and mask, the nodes' rows in [B, N, H, *] tensors, and its value columns."""
     i_b, i_h = i_bh // H, i_bh % H
     o_n = tl.arange(0, BN)
     m_n = o_n < N
@@ -472,7 +471,7 @@ def _tree_solve_kernel(
     formed. With HAS_PENDING the state tile is folded and written back chunk by chunk
     over K (state rows are independent under a rank-1 update), then used.
     """
-    i_b, i_h, i_bh, o_n, m_n, rows, o_v = _node_tile(N, H, BN, BV)
+    i_b, i_h, i_bh, o_n, m_n, rows, o_v = _node_tile(N, H, BN, BV, tl.program_id(0), tl.program_id(1))
 
     ks = tl.zeros([BN, BV], dtype=tl.float32)               # K S0
     qs = tl.zeros([BN, BV], dtype=tl.float32)               # Q S0
@@ -525,16 +524,17 @@ def _inverse_times(A, A2, A4, A8, x, DOT_PRECISION: tl.constexpr):
     return x
 
 
-@triton.jit(do_not_specialize=["P", "N"])
-def _parallel_kernel(
+@triton.jit
+def _parallel_tile(
     q, k, v, g, beta, parents, S, o, delta,
     stride_sb, stride_sh, stride_sk, stride_sv,
-    kp, dp, gp, P, N,
+    kp, dp, gp, P, N, i_v, i_bh,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CHAIN: tl.constexpr, HAS_PENDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """The whole parallel form of one (batch, head, V tile) in one program.
+    """The whole parallel form of one (batch, head, V tile): `_parallel_kernel`'s program
+    (i_v, i_bh), or a unit of a persistent kernel's phase.
 
     One pass over K builds K K^T, Q K^T, K S0 and Q S0 (after folding `pending` into the
     program's S0 tile and writing it back). A is strictly lower triangular, so nilpotent
@@ -544,7 +544,7 @@ def _parallel_kernel(
     relative error 1e-4 at N = 16 in that worst case), so one step of refinement follows
     where some |A_ij| > 1/2.
     """
-    i_b, i_h, i_bh, o_n, m_n, rows, o_v = _node_tile(N, H, BN, BV)
+    i_b, i_h, i_bh, o_n, m_n, rows, o_v = _node_tile(N, H, BN, BV, i_v, i_bh)
     anc, G, decay = _tree_paths(g, parents, o_n, m_n, i_b, i_h, N, H, CHAIN)
 
     kk = tl.zeros([BN, BN], dtype=tl.float32)
@@ -590,6 +590,21 @@ def _parallel_kernel(
     m_out = m_n[:, None]
     tl.store(o + rows[:, None] * V + o_v[None, :], b_o, mask=m_out)
     tl.store(delta + rows[:, None] * V + o_v[None, :], u, mask=m_out)
+
+
+@triton.jit(do_not_specialize=["P", "N"])
+def _parallel_kernel(
+    q, k, v, g, beta, parents, S, o, delta,
+    stride_sb, stride_sh, stride_sk, stride_sv,
+    kp, dp, gp, P, N,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    CHAIN: tl.constexpr, HAS_PENDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """The whole parallel form of one (batch, head, V tile) a program (`_parallel_tile`)."""
+    _parallel_tile(q, k, v, g, beta, parents, S, o, delta, stride_sb, stride_sh, stride_sk, stride_sv,
+                   kp, dp, gp, P, N, tl.program_id(0), tl.program_id(1), H, K, V, BN, BK, BV,
+                   CHAIN, HAS_PENDING, DOT_PRECISION)
 
 
 def _parallel_config(N: int, K: int, V: int, block_v: int | None = None, block_k: int | None = None,

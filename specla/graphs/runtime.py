@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from specla.config import GDNConfig
 from specla.graphs.ops import PackedLayer, make_ops, pack_layer
-from specla.graphs.whole_step import whole_step_for
+from specla.graphs.whole_step import chain_verify_for, whole_step_for
 from specla.model import Factors, GDNForCausalLM, InferenceState, Topology
 
 
@@ -66,6 +66,15 @@ class PackedTarget:
         self.whole_step, note = whole_step_for(self)
         if self.whole_step is not None:
             self.ops_note += "; " + note
+        self._chain_verifiers: dict[tuple, tuple] = {}
+
+    def chain_verifier(self, nodes: int, feature_layers: tuple[int, ...], deferred: bool):
+        """(the persistent chain verification for chains of `nodes`, note), or (None, why not);
+        built and checked once a shape (graphs of one shape share it: one stream replays them)."""
+        key = (nodes, tuple(feature_layers), deferred)
+        if key not in self._chain_verifiers:
+            self._chain_verifiers[key] = chain_verify_for(self, nodes, tuple(feature_layers), deferred)
+        return self._chain_verifiers[key]
 
     def _probe_fp32_head(self) -> bool:
         """bf16 GEMM with fp32 output for the LM head where cuBLAS offers it: logits keep their

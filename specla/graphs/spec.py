@@ -320,6 +320,10 @@ class GraphedSpec:
         if self.dynamic:
             self.mode = "tree"
         n, dev, c = len(tree), rt.device, rt.config
+        # a chain verified by the kernels: one persistent launch where the target's AR token is one
+        self.chain_verify, self.verify_note = None, "per-op verification"
+        if self.mode == "chain" and recurrence == "kernels" and not self.dynamic:
+            self.chain_verify, self.verify_note = rt.chain_verifier(n, self.feature_layers, deferred)
         if n > state.log.nodes:
             raise ValueError(f"a draft of {n} nodes does not fit the step log ({state.log.nodes} nodes)")
         self.tokens = torch.tensor([tree.tokens], dtype=torch.long, device=dev)
@@ -372,6 +376,13 @@ class GraphedSpec:
         return verify_layer(self.mode, q, k, v, g, beta, S, self.topo.model_topo, pending=pending, out=out)
 
     def verify(self) -> None:
+        st = self.state
+        if self.chain_verify is not None:
+            f = self.factors
+            self.chain_verify(self.tokens, st.root, st.cache.conv, st.cache.recurrent,
+                              (st.pk, st.pd, st.pg) if self.deferred else None, self.logits, self.last_hidden,
+                              self.features, (f.k, f.g, f.delta, f.conv_in))
+            return
         self.tokens[0, :1].copy_(self.state.root)
         logits, hidden, feats = self.rt.tree_forward(self.tokens, self.state.cache, self.topo.conv_index,
                                                      self._verify_layer, self.factors, self.feature_layers)

@@ -1,10 +1,12 @@
-"""The AR token of a narrow target as one persistent launch (`kernels/triton_decode_step.py`).
+"""The AR token of a narrow target as one persistent launch (`kernels/triton_decode_step.py`),
+and a draft chain's verification forward as another (`kernels/triton_verify_step.py`).
 
-The fused op set's AR step is 38 launches on the embedded model, each a few microseconds of
-launch and ramp around almost no work; the persistent kernel runs the same arithmetic with
-grid-wide barriers between the phases instead. `whole_step_for` builds it for a packed
-target where it applies and checks it against the op set's own AR forward first, so a
-kernel that disagrees is never used (the note says why).
+The fused op set's AR step is 38 launches on the embedded model, and a chain's verification
+45, each a few microseconds of launch and ramp around almost no work; the persistent kernels
+run the same arithmetic with grid-wide barriers between the phases instead. `whole_step_for`
+and `chain_verify_for` build them for a packed target where they apply and check them
+against the op set's own forwards first, so a kernel that disagrees is never used (the note
+says why).
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from specla.config import GDNConfig
 WHOLE_STEP_MAX_HIDDEN = 1024
 # The grid of the whole step (None: one program an SM); benchmarks sweep it.
 WHOLE_STEP_PROGRAMS: int | None = None
+# Verify draft chains in one persistent launch wherever the whole AR step applies.
+WHOLE_VERIFY = True
 
 
 def whole_step_applies(config: GDNConfig, device: torch.device, ops_name: str) -> str | None:
@@ -91,5 +95,75 @@ def check_whole_step(packed, step, tokens: int = 3, seed: int = 0) -> str | None
             if not err < tol:
                 return f"token {t}: {name} relative error {err:.2e}"
     if step.failed():
+        return "a grid barrier gave up waiting"
+    return None
+
+
+def chain_verify_for(packed, nodes: int, feature_layers: tuple[int, ...], deferred: bool):
+    """(PersistentChainVerify, note) for a chain of `nodes` of a PackedTarget whose AR token
+    is one persistent launch (the verifier reads the same stacked weights), or (None, why not)."""
+    if packed.whole_step is None or not WHOLE_VERIFY:
+        return None, "the per-op verification (no persistent AR step, or turned off)"
+    c = packed.config
+    try:
+        from kernels.triton_verify_step import PersistentChainVerify
+        verifier = PersistentChainVerify(packed.whole_step.weights, c.num_heads, c.head_dim, c.head_v_dim,
+                                         c.norm_eps, nodes, tuple(feature_layers),
+                                         swish=c.output_gate_activation in ("swish", "silu"),
+                                         neg_eigval=c.allow_neg_eigval, programs=WHOLE_STEP_PROGRAMS)
+        problem = check_chain_verify(packed, verifier, deferred)
+    except Exception as err:  # noqa: BLE001 - any failure: the per-op verification
+        problem = f"{type(err).__name__}: {err}"
+    if problem:
+        return None, f"chain-verify kernel unusable: {problem}"
+    return verifier, f"a chain's verification as one persistent launch ({verifier.programs} programs)"
+
+
+@torch.no_grad()
+def check_chain_verify(packed, verifier, deferred: bool, seed: int = 0) -> str | None:
+    """Verify a random chain from a random state (and pending commit) with the persistent
+    kernel and with the op set's tree forward; None if logits, normed rows, features, the
+    folded state and the factors agree, else what differs."""
+    from specla.graphs.runtime import StaticState
+    from specla.model import Topology
+    from specla.verify import verify_layer
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    c, n, dev = packed.config, verifier.nodes, packed.device
+    L, H, P = c.num_hidden_layers, c.num_heads, 3
+    mine = StaticState(c, dev, packed.dtype)
+    mine.recurrent.copy_(torch.randn(mine.recurrent.shape, generator=gen) * 0.1)
+    mine.conv.copy_(torch.randn(mine.conv.shape, generator=gen))
+    theirs = mine.clone()
+    pk = torch.randn(L, 1, P, H, c.head_dim, generator=gen)
+    pending = tuple(t.to(dev) for t in (pk / pk.norm(dim=-1, keepdim=True),
+                                        torch.randn(L, 1, P, H, c.head_v_dim, generator=gen) * 0.1,
+                                        -torch.rand(L, 1, P, H, generator=gen) * 0.5)) if deferred else None
+    tokens = torch.randint(c.vocab_size, (1, n), generator=gen).to(dev)
+    root = tokens[0, :1].clone()
+    topo = Topology.chain(n, c.conv_size, dev)
+    want_f, got_f = packed.new_factors(n), packed.new_factors(n)
+
+    def verify(l, q, k, v, g, beta, S, out):
+        return verify_layer("chain", q, k, v, g, beta, S, topo, pending=None if pending is None
+                            else tuple(t[l] for t in pending), out=out)
+
+    layers = verifier.feature_layers
+    want_logits, want_hidden, want_feats = packed.tree_forward(tokens, theirs, topo.conv_index, verify, want_f, layers)
+    logits = torch.zeros(n, c.vocab_size, device=dev)
+    hidden = torch.zeros(n, c.hidden_size, device=dev, dtype=packed.dtype)
+    feats = torch.zeros(n, len(layers), c.hidden_size, device=dev, dtype=packed.dtype) if layers else None
+    verifier(tokens, root, mine.conv, mine.recurrent, pending, logits, hidden, feats,
+             (got_f.k, got_f.g, got_f.delta, got_f.conv_in))
+    tol = 1e-3 if packed.dtype == torch.float32 else 5e-2
+    pairs = [("logits", logits, want_logits), ("normed rows", hidden, want_hidden), ("state", mine.recurrent,
+             theirs.recurrent)] + [(name, getattr(got_f, name), getattr(want_f, name)) for name in
+                                   ("k", "g", "delta", "conv_in")]
+    if feats is not None:
+        pairs.append(("features", feats, want_feats))
+    for name, got, ref in pairs:
+        err = ((got.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-12)).item()
+        if not err < tol:
+            return f"{name} relative error {err:.2e}"
+    if verifier.failed():
         return "a grid barrier gave up waiting"
     return None

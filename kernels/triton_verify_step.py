@@ -1,0 +1,280 @@
+"""A draft chain's whole verification forward of a narrow GDN target in one persistent
+Triton launch: `chain_verify_step_ref` in `kernels/reference.py`.
+
+Why: verifying the embedded model's chain of 8 nodes took 45 launches and ~168 us on the
+H200, 2 AR steps, where the bytes it moves take a few microseconds
+(benchmarks/results/h200/session15/). The persistent AR step (`triton_decode_step.py`)
+showed the launch boundary is not the only cost: every dependent phase is. So this kernel
+keeps the AR step's phase structure and runs it over all N nodes at once, with the
+recurrence in the parallel (tree-masked UT) form for a chain, so N nodes cost one phase:
+
+    first      the nodes' embeddings (the root read from the device)
+    per layer  A   residual add + RMSNorm + input projection, N rows (tl.dot)
+               B1  per (node, head): conv along the chain, SiLU, l2 norms, gates; the
+                   factors k, g and the raw conv inputs go straight into the commit buffers;
+                   the feature rows of the layer before
+               B2  per (head, V tile): fold the deferred commit into the state tile, store it,
+                   and the parallel form over the N nodes (outputs and the delta factors)
+               C   gated per-head norm + output projection
+               D   residual add + RMSNorm + gate/up projection
+               E   SwiGLU + down projection
+    then       F   residual add + final RMSNorm + LM head (fp32 logits), the normed rows and
+                   the last layer's feature rows
+
+The arithmetic is the per-op verification's (`triton_projection._dot_slice`,
+`triton_conv_gates._conv_gates_node`, `triton_verify._parallel_tile`), so the logits equal the
+fused op set's tree forward's up to the order of fp32 sums. The state is written only by the
+pending fold, as the per-op verifiers do; the conv cache is not written (acceptance shifts it).
+Barriers, residency and the give-up flag as in the persistent AR step.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.pdl import grid_arrive, grid_wait
+from kernels.reference import DecodeWeights
+from kernels.triton_conv_gates import _conv_gates_node
+from kernels.triton_decode_step import check_decode_weights
+from kernels.triton_projection import DEFAULT_SMS, _dot_mode, _dot_slice, _input_block, _row_rstd, _summed_input
+from kernels.triton_verify import PARALLEL_MAX_NODES, _parallel_config, _parallel_tile
+
+MAX_NODES = PARALLEL_MAX_NODES      # the parallel form's [16, 16] tiles, and 16-row projections
+
+
+@triton.jit
+def _rows_phase(src, w, y, y_stride, M, N, K, eps, pid, programs, sync, dtype: tl.constexpr,
+                PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr, HEAD: tl.constexpr,
+                DOT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """y[:M] = prologue(src) @ w.T [M, N], column blocks dealt round-robin, after the barrier
+    `sync` (every program waits, with a block or without); the block of column 0 also writes
+    x + residual (PROLOGUE 0 with HAS_RES)."""
+    grid_wait(sync[0], sync[1], sync[2])
+    rows = tl.arange(0, BM)
+    for blk in range(pid, tl.cdiv(N, BN), programs):
+        cols = blk * BN + tl.arange(0, BN)
+        c_mask = cols < N
+        acc = _dot_slice(src, w + cols[:, None] * K, c_mask, 0, K, M, K, eps, blk == 0, dtype,
+                         PROLOGUE, HAS_RES, SWISH, HEAD, DOT, BM, BN, BK)
+        tl.store(y + rows[:, None] * y_stride + cols[None, :], acc.to(y.dtype.element_ty),
+                 mask=(rows < M)[:, None] & c_mask[None, :])
+
+
+@triton.jit
+def _copy_rows(src, dst, dst_stride, M, pid, programs, D: tl.constexpr, BD: tl.constexpr):
+    """dst[r, :D] = src[r, :D] for r < M, rows dealt round-robin (src rows contiguous)."""
+    o_d = tl.arange(0, BD)
+    for r in range(pid, M, programs):
+        tl.store(dst + r * dst_stride + o_d, tl.load(src + r * D + o_d, mask=o_d < D), mask=o_d < D)
+
+
+@triton.jit
+def _chain_verify_kernel(
+        tokens, root, embed, zeros, attn_norm, w_in, conv_w, conv_b, neg_A, dt_bias, o_norm, w_o, mlp_norm,
+        w_gu, w_down, final_norm, lm_head, cache, S, pk, pd, pg, P, index, feat_slot,
+        logits, hidden, features, k_f, g_f, delta_f, conv_in_f,
+        x_emb, res_a, res_b, x_buf, y_in, q_s, v_s, beta_s, o_buf, gu_buf, counter, status, N, eps, scale,
+        L: tl.constexpr, D: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+        W: tl.constexpr, I: tl.constexpr, VOCAB: tl.constexpr, F: tl.constexpr, HAS_BIAS: tl.constexpr,
+        NEG_EIGVAL: tl.constexpr, SWISH: tl.constexpr, HAS_PENDING: tl.constexpr, DOT: tl.constexpr,
+        BM: tl.constexpr, BN_IN: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr,
+        BN_HEAD: tl.constexpr, BK_D: tl.constexpr, BK_O: tl.constexpr, BK_I: tl.constexpr, BD: tl.constexpr,
+        BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, PBK: tl.constexpr, PBV: tl.constexpr):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    dtype = w_in.dtype.element_ty
+    C = H * (2 * K + V)
+    N_IN = C + H * V + 2 * H
+    a_col = C + H * V
+    # the embeddings: row 0 is the root the last step (or the prefill) left on the device
+    o_d = tl.arange(0, BD)
+    for r in range(pid, N, programs):
+        tok = tl.maximum(tl.where(r == 0, tl.load(root), tl.load(tokens + r)), 0)
+        tl.store(x_emb + r * D + o_d, tl.load(embed + tok * D + o_d, mask=o_d < D), mask=o_d < D)
+    if pid == 0:
+        tl.store(tokens, tl.load(root))       # acceptance reads the verified tokens, root included
+    grid_arrive(counter)
+    # each phase's programs arrive when their stores are done; the next phase waits for all
+    # arrivals so far (`phase` of them each), as in the persistent AR step
+    phase = 1
+    for l in range(L):
+        # A: the block input (the embeddings, or the last MLP's output plus the residual)
+        if l == 0:
+            src = (x_emb, D, zeros, 0, res_a, zeros, 0, attn_norm)
+        else:
+            src = (x_buf, D, res_b, D, res_a, zeros, 0, attn_norm + l * D)
+        _rows_phase(src, w_in + l * N_IN * D, y_in, N_IN, N, N_IN, D, eps, pid, programs,
+                    (counter, phase * programs, status), dtype, 0, True, SWISH, 1, DOT, BM, BN_IN, BK_D)
+        grid_arrive(counter)
+        phase += 1
+
+        # B1: conv + gates per (node, head); the residual rows phase A summed are layer l-1's output
+        grid_wait(counter, phase * programs, status)
+        cache_l = cache + l * C * W
+        for unit in range(pid, N * H, programs):
+            _conv_gates_node(y_in, N_IN, cache_l + 1, W, index, conv_w + l * C * W, conv_b + l * C,
+                             y_in + a_col, y_in + a_col + H, N_IN, neg_A + l * H, dt_bias + l * H,
+                             q_s, k_f + l * N * H * K, v_s, g_f + l * N * H, beta_s, conv_in_f + l * N * C, C, scale,
+                             unit // H, unit % H, H, K, V, W, BK, BV, BW, HAS_BIAS, NEG_EIGVAL, True)
+        if l > 0:
+            slot = tl.load(feat_slot + l - 1)
+            if slot >= 0:
+                _copy_rows(res_a, features + slot * D, F * D, N, pid, programs, D, BD)
+        grid_arrive(counter)
+        phase += 1
+
+        # B2: the deferred commit and the recurrence over the chain, per (head, V tile)
+        grid_wait(counter, phase * programs, status)
+        tiles = V // PBV
+        for unit in range(pid, H * tiles, programs):
+            _parallel_tile(q_s, k_f + l * N * H * K, v_s, g_f + l * N * H, beta_s, index, S + l * H * K * V,
+                           o_buf, delta_f + l * N * H * V, H * K * V, K * V, V, 1,
+                           pk + l * P * H * K, pd + l * P * H * V, pg + l * P * H, P, N,
+                           unit % tiles, unit // tiles, H, K, V, 16, PBK, PBV, True, HAS_PENDING, "ieee")
+        grid_arrive(counter)
+        phase += 1
+
+        # C: gated norm + output projection
+        src = (o_buf, H * V, zeros, 0, zeros, y_in + C, N_IN, o_norm + l * V)
+        _rows_phase(src, w_o + l * D * H * V, x_buf, D, N, D, H * V, eps, pid, programs,
+                    (counter, phase * programs, status), dtype, 1, False, SWISH, V, DOT, BM, BN_O, BK_O)
+        grid_arrive(counter)
+        phase += 1
+
+        # D: residual add + norm + gate/up projection
+        src = (x_buf, D, res_a, D, res_b, zeros, 0, mlp_norm + l * D)
+        _rows_phase(src, w_gu + l * 2 * I * D, gu_buf, 2 * I, N, 2 * I, D, eps, pid, programs,
+                    (counter, phase * programs, status), dtype, 0, True, SWISH, 1, DOT, BM, BN_GU, BK_D)
+        grid_arrive(counter)
+        phase += 1
+
+        # E: SwiGLU + down projection
+        src = (gu_buf, 2 * I, zeros, 0, zeros, zeros, 0, zeros)
+        _rows_phase(src, w_down + l * D * I, x_buf, D, N, D, I, eps, pid, programs,
+                    (counter, phase * programs, status), dtype, 2, False, SWISH, 1, DOT, BM, BN_DOWN, BK_I)
+        grid_arrive(counter)
+        phase += 1
+
+    # F: final norm + LM head (fp32 logits); the normed rows and the last layer's features
+    src = (x_buf, D, res_b, D, res_a, zeros, 0, final_norm)
+    _rows_phase(src, lm_head, logits, VOCAB, N, VOCAB, D, eps, pid, programs,
+                (counter, phase * programs, status), dtype, 0, True, SWISH, 1, DOT, BM, BN_HEAD, BK_D)
+    last_slot = tl.load(feat_slot + L - 1)
+    for r in range(pid, N, programs):
+        row = r + tl.arange(0, 1)
+        ok = row < N
+        d_mask = o_d < D
+        rstd = _row_rstd(src, row, ok, D, eps, True, 1, BD)
+        h = _input_block(src, rstd, eps, row, ok, o_d, d_mask, D, False, dtype, 0, True, SWISH, 1, 1, BD)
+        tl.store(hidden + r * D + o_d[None, :], h, mask=d_mask[None, :])
+        if last_slot >= 0:
+            summed = _summed_input(src, row, ok, o_d, d_mask, True)
+            tl.store(features + (r * F + last_slot) * D + o_d[None, :], summed.to(dtype), mask=d_mask[None, :])
+    # the last arrival re-arms the counter: every program has left every wait by then
+    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if last == (phase + 1) * programs - 1:
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+def _dot_block_n(N: int, programs: int) -> int:
+    """Columns a block of the tl.dot form: about one block a program, 16 to 64."""
+    return max(16, min(64, triton.next_power_of_2(triton.cdiv(N, programs))))
+
+
+class PersistentChainVerify:
+    """One launch verifies a draft chain of `nodes` tokens for a GDN model of heads [K, V]
+    and one gated output: the weights, the scratch rows and the barrier counter, made once
+    (a CUDA graph holds their addresses). `feature_layers` are the layers whose outputs a
+    drafter reads (in layer order); `programs` defaults to the device's SM count."""
+
+    def __init__(self, weights: DecodeWeights, num_heads: int, head_dim: int, head_v_dim: int, eps: float,
+                 nodes: int, feature_layers: tuple[int, ...] = (), swish: bool = True, neg_eigval: bool = False,
+                 programs: int | None = None):
+        wt, dev = weights, weights.w_in.device
+        L, N_in, D = wt.w_in.shape
+        H, K, V = num_heads, head_dim, head_v_dim
+        C, W = wt.conv_w.shape[1:]
+        I = wt.w_down.shape[2]
+        check_decode_weights(wt, H, K, V, "chain verify")
+        if not 1 <= nodes <= MAX_NODES:
+            raise ValueError(f"chain verify: {nodes} nodes; the parallel form takes 1 to {MAX_NODES}")
+        if triton.next_power_of_2(K) != K or K < 16:
+            raise ValueError(f"chain verify: key width {K}: the parallel form takes powers of two from 16")
+        if sorted(set(feature_layers)) != list(feature_layers) or any(not 0 <= f < L for f in feature_layers):
+            raise ValueError(f"chain verify: feature layers {feature_layers} must be distinct layers 0..{L - 1}, "
+                             "in order")
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else DEFAULT_SMS
+        self.programs = min(programs or sms, sms)
+        self.weights, self.device, self.dtype, self.nodes = wt, dev, wt.w_in.dtype, nodes
+        self.feature_layers = tuple(feature_layers)
+        self.shape = dict(L=L, D=D, H=H, K=K, V=V, W=W, I=I, VOCAB=wt.lm_head.shape[0], F=max(1, len(feature_layers)))
+        self.eps, self.scale, self.swish, self.neg_eigval = eps, K ** -0.5, swish, neg_eigval
+        n, f32 = nodes, dict(device=dev, dtype=torch.float32)
+        rows = lambda width, **kw: torch.zeros(n, width, **(kw or dict(device=dev, dtype=self.dtype)))  # noqa: E731
+        self.zeros = torch.zeros(max(D, H * V, 2 * I), device=dev, dtype=self.dtype)
+        self.x_emb, self.res_a, self.res_b, self.x = rows(D), rows(D), rows(D), rows(D)
+        self.y_in, self.gate_up = rows(N_in), rows(2 * I)
+        self.q, self.v, self.beta, self.o = rows(H * K, **f32), rows(H * V, **f32), rows(H, **f32), rows(H * V, **f32)
+        self.index = (torch.arange(n)[:, None] + torch.arange(W)[None, :]).to(dev)    # the chain's conv windows
+        slots = [-1] * L
+        for i, layer in enumerate(self.feature_layers):
+            slots[layer] = i
+        self.feat_slot = torch.tensor(slots, dtype=torch.int32, device=dev)
+        self.counter = torch.zeros(1, device=dev, dtype=torch.int32)
+        self.status = torch.zeros(1, device=dev, dtype=torch.int32)
+        # the [16, BK] fp32 prologue block of the dot form stays at <= 32 registers a thread
+        bk = lambda k, head=1: max(head, 16, min(triton.next_power_of_2(k), 256))  # noqa: E731
+        bn = lambda cols: _dot_block_n(cols, self.programs)  # noqa: E731
+        par = _parallel_config(n, K, V)
+        self.blocks = dict(
+            BM=16, BN_IN=bn(N_in), BN_O=bn(D), BN_GU=bn(2 * I), BN_DOWN=bn(D), BN_HEAD=bn(self.shape["VOCAB"]),
+            BK_D=bk(D), BK_O=bk(H * V, V), BK_I=bk(I), BD=triton.next_power_of_2(D), BK=K,
+            BV=triton.next_power_of_2(V), BW=triton.next_power_of_2(W), PBK=par["BK"], PBV=par["BV"])
+        self.dot = _dot_mode(self.dtype)
+
+    def __call__(self, tokens: torch.Tensor, root: torch.Tensor, cache: torch.Tensor, S: torch.Tensor,
+                 pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, logits: torch.Tensor,
+                 hidden: torch.Tensor, features: torch.Tensor | None,
+                 factors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """Verify tokens [1, N] (int64; tokens[0, 0] is overwritten with root [1]) from cache
+        [L, 1, C, W] and S [L, 1, H, K, V] fp32, folding `pending` (k [L,1,P,H,K], delta
+        [L,1,P,H,V], g [L,1,P,H] fp32) into S first. Writes logits [N, vocab] fp32, hidden
+        [N, D], features [N, F, D] (if feature layers were given) and the factors (k, g,
+        delta, conv_in: [L,1,N,H,K], [L,1,N,H], [L,1,N,H,V] fp32, [L,1,N,C])."""
+        s, n = self.shape, self.nodes
+        k_f, g_f, delta_f, conv_in_f = factors
+        L, H, K, V, D = s["L"], s["H"], s["K"], s["V"], s["D"]
+        C = H * (2 * K + V)
+        expected = {"tokens": (tokens, (1, n)), "k": (k_f, (L, 1, n, H, K)), "g": (g_f, (L, 1, n, H)),
+                    "delta": (delta_f, (L, 1, n, H, V)), "conv_in": (conv_in_f, (L, 1, n, C)),
+                    "logits": (logits, (n, s["VOCAB"])), "hidden": (hidden, (n, D)), "S": (S, (L, 1, H, K, V))}
+        for name, (t, shape) in expected.items():
+            if tuple(t.shape) != shape or not t.is_contiguous():
+                raise ValueError(f"chain verify: {name} must be contiguous of shape {shape}, got {tuple(t.shape)}")
+        if S.dtype != torch.float32 or logits.dtype != torch.float32 or not cache.is_contiguous():
+            raise ValueError("chain verify: S and logits must be fp32 and the conv cache contiguous")
+        if self.feature_layers and (features is None or tuple(features.shape) != (n, len(self.feature_layers), D)):
+            raise ValueError(f"chain verify: features must be [{n}, {len(self.feature_layers)}, {D}]")
+        if pending is not None:
+            P = pending[0].shape[2]
+            for t, width in zip(pending, (K, V, None)):
+                want = (L, 1, P, H) + ((width,) if width else ())
+                if tuple(t.shape) != want or t.dtype != torch.float32 or not t.is_contiguous():
+                    raise ValueError(f"chain verify: pending factors must be contiguous fp32 {want}")
+        pk, pd, pg = pending if pending is not None else (k_f, delta_f, g_f)
+        wt = self.weights
+        _chain_verify_kernel[(self.programs,)](
+            tokens, root, wt.embed, self.zeros, wt.attn_norm, wt.w_in, wt.conv_w,
+            wt.conv_b if wt.conv_b is not None else wt.conv_w, wt.neg_A, wt.dt_bias, wt.o_norm, wt.w_o,
+            wt.mlp_norm, wt.w_gate_up, wt.w_down, wt.final_norm, wt.lm_head, cache, S, pk, pd, pg,
+            pk.shape[2] if pending is not None else 0, self.index, self.feat_slot,
+            logits, hidden, features if features is not None else hidden, k_f, g_f, delta_f, conv_in_f,
+            self.x_emb, self.res_a, self.res_b, self.x, self.y_in, self.q, self.v, self.beta, self.o,
+            self.gate_up, self.counter, self.status, n, self.eps, self.scale, **s,
+            HAS_BIAS=wt.conv_b is not None, NEG_EIGVAL=self.neg_eigval, SWISH=self.swish,
+            HAS_PENDING=pending is not None, DOT=self.dot, **self.blocks, num_warps=4)
+
+    def failed(self) -> bool:
+        """Whether a barrier gave up waiting since this step was made (reads the device)."""
+        return bool(self.status.item())
