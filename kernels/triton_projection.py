@@ -188,22 +188,35 @@ def _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl
 @triton.jit
 def _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl.constexpr,
                PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr, HEAD: tl.constexpr,
-               DOT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+               DOT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WAIT: tl.constexpr,
+               sync):
     """[BM, BN] fp32 products over the K columns [k_lo, k_hi) by tl.dot (num_stages
-    pipelines the weight loads)."""
+    pipelines the weight loads). WAIT 2: inside a persistent kernel, the first weight tile
+    is loaded before the grid barrier `sync` (as `_gemv_slice` does) and each next tile
+    before the current one's product."""
     rows = tl.arange(0, BM)
     r_mask = rows < M
+    offs = tl.arange(0, BK)
+    if WAIT == 2:
+        wb = tl.load(w_rows + k_lo + offs[None, :], mask=c_mask[:, None] & (k_lo + offs < k_hi)[None, :], other=0.0)
+        grid_wait(sync[0], sync[1], sync[2])
     rstd = tl.zeros([BM], dtype=tl.float32)
     if PROLOGUE == 0:
         rstd = _row_rstd(src, rows, r_mask, K, eps, HAS_RES, BM, BK)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
-        ks = k0 + tl.arange(0, BK)
+        ks = k0 + offs
         k_mask = ks < k_hi
         h = _input_block(src, rstd, eps, rows, r_mask, ks, k_mask, K, write_res, dtype,
                          PROLOGUE, HAS_RES, SWISH, HEAD, BM, BK)
-        wb = tl.load(w_rows + ks[None, :], mask=c_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += _dot(h, wb, DOT)
+        if WAIT == 2:
+            nks = ks + BK
+            w_next = tl.load(w_rows + nks[None, :], mask=c_mask[:, None] & (nks < k_hi)[None, :], other=0.0)
+            acc += _dot(h, wb, DOT)
+            wb = w_next
+        else:
+            wb = tl.load(w_rows + ks[None, :], mask=c_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += _dot(h, wb, DOT)
     return acc
 
 
@@ -236,7 +249,7 @@ def _projection_kernel(x, x_stride, res, res_stride, res_out, gate, gate_stride,
                           (counters, 0, counters))    # no grid barrier: WAIT is not 2
     else:
         acc = _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, w.dtype.element_ty,
-                         PROLOGUE, HAS_RES, SWISH, HEAD, DOT, BM, BN, BK)
+                         PROLOGUE, HAS_RES, SWISH, HEAD, DOT, BM, BN, BK, 0, (counters, 0, counters))
     rows = tl.arange(0, BM)
     out_mask = (rows < M)[:, None] & c_mask[None, :]
     y_ptrs = y + rows[:, None] * y_stride + cols[None, :]

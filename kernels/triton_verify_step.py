@@ -47,18 +47,31 @@ MAX_NODES = PARALLEL_MAX_NODES      # the parallel form's [16, 16] tiles, and 16
 def _rows_phase(src, w, y, y_stride, M, N, K, eps, pid, programs, sync, dtype: tl.constexpr,
                 PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr, HEAD: tl.constexpr,
                 DOT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """y[:M] = prologue(src) @ w.T [M, N], column blocks dealt round-robin, after the barrier
-    `sync` (every program waits, with a block or without); the block of column 0 also writes
-    x + residual (PROLOGUE 0 with HAS_RES)."""
-    grid_wait(sync[0], sync[1], sync[2])
+    """y[:M] = prologue(src) @ w.T [M, N], column blocks dealt round-robin; the block of
+    column 0 also writes x + residual (PROLOGUE 0 with HAS_RES). A program's first block
+    loads its first weight tile, then waits at the barrier `sync`; a program with no block
+    waits too (else its arrivals would count for a phase others have not finished)."""
     rows = tl.arange(0, BM)
-    for blk in range(pid, tl.cdiv(N, BN), programs):
+    blocks = tl.cdiv(N, BN)
+    for blk in range(pid, blocks, programs):
         cols = blk * BN + tl.arange(0, BN)
         c_mask = cols < N
+        first = (sync[0], tl.where(blk == pid, sync[1], 0), sync[2])
         acc = _dot_slice(src, w + cols[:, None] * K, c_mask, 0, K, M, K, eps, blk == 0, dtype,
-                         PROLOGUE, HAS_RES, SWISH, HEAD, DOT, BM, BN, BK)
+                         PROLOGUE, HAS_RES, SWISH, HEAD, DOT, BM, BN, BK, 2, first)
         tl.store(y + rows[:, None] * y_stride + cols[None, :], acc.to(y.dtype.element_ty),
                  mask=(rows < M)[:, None] & c_mask[None, :])
+    if pid >= blocks:
+        grid_wait(sync[0], sync[1], sync[2])
+
+
+@triton.jit
+def _stamp(times, phase, pid, programs, TIMED: tl.constexpr):
+    """(TIMED, benchmarks only) this program's end of `phase` in ns of the GPU's global timer."""
+    if TIMED:
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                        pack=1)
+        tl.store(times + phase * programs + pid, now)
 
 
 @triton.jit
@@ -74,13 +87,14 @@ def _chain_verify_kernel(
         tokens, root, embed, zeros, attn_norm, w_in, conv_w, conv_b, neg_A, dt_bias, o_norm, w_o, mlp_norm,
         w_gu, w_down, final_norm, lm_head, cache, S, pk, pd, pg, P, index, feat_slot,
         logits, hidden, features, k_f, g_f, delta_f, conv_in_f,
-        x_emb, res_a, res_b, x_buf, y_in, q_s, v_s, beta_s, o_buf, gu_buf, counter, status, N, eps, scale,
+        x_emb, res_a, res_b, x_buf, y_in, q_s, v_s, beta_s, o_buf, gu_buf, counter, status, times, N, eps, scale,
         L: tl.constexpr, D: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
         W: tl.constexpr, I: tl.constexpr, VOCAB: tl.constexpr, F: tl.constexpr, HAS_BIAS: tl.constexpr,
         NEG_EIGVAL: tl.constexpr, SWISH: tl.constexpr, HAS_PENDING: tl.constexpr, DOT: tl.constexpr,
         BM: tl.constexpr, BN_IN: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr,
         BN_HEAD: tl.constexpr, BK_D: tl.constexpr, BK_O: tl.constexpr, BK_I: tl.constexpr, BD: tl.constexpr,
-        BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, PBK: tl.constexpr, PBV: tl.constexpr):
+        BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, PBK: tl.constexpr, PBV: tl.constexpr,
+        TIMED: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     dtype = w_in.dtype.element_ty
@@ -94,6 +108,7 @@ def _chain_verify_kernel(
         tl.store(x_emb + r * D + o_d, tl.load(embed + tok * D + o_d, mask=o_d < D), mask=o_d < D)
     if pid == 0:
         tl.store(tokens, tl.load(root))       # acceptance reads the verified tokens, root included
+    _stamp(times, 0, pid, programs, TIMED)
     grid_arrive(counter)
     # each phase's programs arrive when their stores are done; the next phase waits for all
     # arrivals so far (`phase` of them each), as in the persistent AR step
@@ -106,6 +121,7 @@ def _chain_verify_kernel(
             src = (x_buf, D, res_b, D, res_a, zeros, 0, attn_norm + l * D)
         _rows_phase(src, w_in + l * N_IN * D, y_in, N_IN, N, N_IN, D, eps, pid, programs,
                     (counter, phase * programs, status), dtype, 0, True, SWISH, 1, DOT, BM, BN_IN, BK_D)
+        _stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1
 
@@ -121,6 +137,7 @@ def _chain_verify_kernel(
             slot = tl.load(feat_slot + l - 1)
             if slot >= 0:
                 _copy_rows(res_a, features + slot * D, F * D, N, pid, programs, D, BD)
+        _stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1
 
@@ -132,6 +149,7 @@ def _chain_verify_kernel(
                            o_buf, delta_f + l * N * H * V, H * K * V, K * V, V, 1,
                            pk + l * P * H * K, pd + l * P * H * V, pg + l * P * H, P, N,
                            unit % tiles, unit // tiles, H, K, V, 16, PBK, PBV, True, HAS_PENDING, "ieee")
+        _stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1
 
@@ -139,6 +157,7 @@ def _chain_verify_kernel(
         src = (o_buf, H * V, zeros, 0, zeros, y_in + C, N_IN, o_norm + l * V)
         _rows_phase(src, w_o + l * D * H * V, x_buf, D, N, D, H * V, eps, pid, programs,
                     (counter, phase * programs, status), dtype, 1, False, SWISH, V, DOT, BM, BN_O, BK_O)
+        _stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1
 
@@ -146,6 +165,7 @@ def _chain_verify_kernel(
         src = (x_buf, D, res_a, D, res_b, zeros, 0, mlp_norm + l * D)
         _rows_phase(src, w_gu + l * 2 * I * D, gu_buf, 2 * I, N, 2 * I, D, eps, pid, programs,
                     (counter, phase * programs, status), dtype, 0, True, SWISH, 1, DOT, BM, BN_GU, BK_D)
+        _stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1
 
@@ -153,6 +173,7 @@ def _chain_verify_kernel(
         src = (gu_buf, 2 * I, zeros, 0, zeros, zeros, 0, zeros)
         _rows_phase(src, w_down + l * D * I, x_buf, D, N, D, I, eps, pid, programs,
                     (counter, phase * programs, status), dtype, 2, False, SWISH, 1, DOT, BM, BN_DOWN, BK_I)
+        _stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1
 
@@ -171,6 +192,7 @@ def _chain_verify_kernel(
         if last_slot >= 0:
             summed = _summed_input(src, row, ok, o_d, d_mask, True)
             tl.store(features + (r * F + last_slot) * D + o_d[None, :], summed.to(dtype), mask=d_mask[None, :])
+    _stamp(times, phase, pid, programs, TIMED)
     # the last arrival re-arms the counter: every program has left every wait by then
     last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if last == (phase + 1) * programs - 1:
@@ -186,11 +208,14 @@ class PersistentChainVerify:
     """One launch verifies a draft chain of `nodes` tokens for a GDN model of heads [K, V]
     and one gated output: the weights, the scratch rows and the barrier counter, made once
     (a CUDA graph holds their addresses). `feature_layers` are the layers whose outputs a
-    drafter reads (in layer order); `programs` defaults to the device's SM count."""
+    drafter reads (in layer order); `programs` defaults to the device's SM count. The
+    projections' K blocks are at most `block_k` wide; `timed` (benchmarks) records when each
+    program ends each phase (`phase_us`)."""
 
     def __init__(self, weights: DecodeWeights, num_heads: int, head_dim: int, head_v_dim: int, eps: float,
                  nodes: int, feature_layers: tuple[int, ...] = (), swish: bool = True, neg_eigval: bool = False,
-                 programs: int | None = None):
+                 programs: int | None = None, num_warps: int = 4, block_k: int = 256, num_stages: int = 1,
+                 timed: bool = False):
         wt, dev = weights, weights.w_in.device
         L, N_in, D = wt.w_in.shape
         H, K, V = num_heads, head_dim, head_v_dim
@@ -224,7 +249,7 @@ class PersistentChainVerify:
         self.counter = torch.zeros(1, device=dev, dtype=torch.int32)
         self.status = torch.zeros(1, device=dev, dtype=torch.int32)
         # the [16, BK] fp32 prologue block of the dot form stays at <= 32 registers a thread
-        bk = lambda k, head=1: max(head, 16, min(triton.next_power_of_2(k), 256))  # noqa: E731
+        bk = lambda k, head=1: max(head, 16, min(triton.next_power_of_2(k), block_k))  # noqa: E731
         bn = lambda cols: _dot_block_n(cols, self.programs)  # noqa: E731
         par = _parallel_config(n, K, V)
         self.blocks = dict(
@@ -232,6 +257,8 @@ class PersistentChainVerify:
             BK_D=bk(D), BK_O=bk(H * V, V), BK_I=bk(I), BD=triton.next_power_of_2(D), BK=K,
             BV=triton.next_power_of_2(V), BW=triton.next_power_of_2(W), PBK=par["BK"], PBV=par["BV"])
         self.dot = _dot_mode(self.dtype)
+        self.launch = dict(num_warps=num_warps, num_stages=num_stages)
+        self.times = torch.zeros(6 * L + 2, self.programs, device=dev, dtype=torch.int64) if timed else None
 
     def __call__(self, tokens: torch.Tensor, root: torch.Tensor, cache: torch.Tensor, S: torch.Tensor,
                  pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, logits: torch.Tensor,
@@ -271,9 +298,17 @@ class PersistentChainVerify:
             pk.shape[2] if pending is not None else 0, self.index, self.feat_slot,
             logits, hidden, features if features is not None else hidden, k_f, g_f, delta_f, conv_in_f,
             self.x_emb, self.res_a, self.res_b, self.x, self.y_in, self.q, self.v, self.beta, self.o,
-            self.gate_up, self.counter, self.status, n, self.eps, self.scale, **s,
-            HAS_BIAS=wt.conv_b is not None, NEG_EIGVAL=self.neg_eigval, SWISH=self.swish,
-            HAS_PENDING=pending is not None, DOT=self.dot, **self.blocks, num_warps=4)
+            self.gate_up, self.counter, self.status, self.times if self.times is not None else self.counter,
+            n, self.eps, self.scale, **s, HAS_BIAS=wt.conv_b is not None, NEG_EIGVAL=self.neg_eigval,
+            SWISH=self.swish, HAS_PENDING=pending is not None, DOT=self.dot, **self.blocks,
+            TIMED=self.times is not None, **self.launch)
+
+    def phase_us(self) -> list[float]:
+        """(timed) Each phase's time in the last call: the last program's end of it minus
+        the last program's end of the phase before (the embeddings' is from the first end)."""
+        ends = self.times.max(dim=1).values.double()
+        starts = torch.cat([self.times.min().view(1).double(), ends[:-1]])
+        return ((ends - starts) / 1e3).tolist()
 
     def failed(self) -> bool:
         """Whether a barrier gave up waiting since this step was made (reads the device)."""
