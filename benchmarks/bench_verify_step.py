@@ -4,7 +4,7 @@ time goes phase by phase (each program stamps the GPU's global timer as it ends 
 
     python benchmarks/bench_verify_step.py --out DIR [--nodes 8] [--variants 4/256/1,8/256/1]
 
-A variant is warps/block_k/stages. Random bf16 weights (speed does not depend on their values).
+A variant is warps/block_k/stages, then any tile overrides (4/256/1:BK_I=128:BN_DOWN=32). Random bf16 weights (speed does not depend on their values).
 Writes verify_step.json.
 """
 from __future__ import annotations
@@ -26,13 +26,13 @@ PHASES = ("A in-proj", "B1 conv+gates", "B2 recurrence", "C out-proj", "D gate/u
 
 
 def make_call(shape: str, nodes: int, programs: int | None, warps: int, block_k: int, stages: int,
-              timed: bool = False):
+              timed: bool = False, blocks: dict[str, int] | None = None):
     L, D, H, K, V, W, I, vocab = SHAPES[shape]
     dev, dtype = torch.device("cuda"), torch.bfloat16
     wt = random_weights(L, D, H, K, V, W, I, vocab, dtype, dev, False, 0)
     features = (1, 3, L - 1) if L > 3 else (L - 1,)
     verify = PersistentChainVerify(wt, H, K, V, 1e-6, nodes, features, programs=programs, num_warps=warps,
-                                   block_k=block_k, num_stages=stages, timed=timed)
+                                   block_k=block_k, num_stages=stages, timed=timed, blocks=blocks)
     C, P, n = H * (2 * K + V), 8, nodes
     f32 = dict(device=dev, dtype=torch.float32)
     factors = (torch.zeros(L, 1, n, H, K, **f32), torch.zeros(L, 1, n, H, **f32), torch.zeros(L, 1, n, H, V, **f32),
@@ -93,13 +93,15 @@ def main(argv: list[str] | None = None) -> int:
               "shape": args.shape, "nodes": args.nodes, "dtype": "bfloat16", "variants": {}}
     args.out.mkdir(parents=True, exist_ok=True)
     for variant in args.variants.split(","):
-        warps, block_k, stages = (int(x) for x in variant.split("/"))
+        settings, *tiles = variant.split(":")
+        warps, block_k, stages = (int(x) for x in settings.split("/"))
+        blocks = {name: int(value) for name, value in (t.split("=") for t in tiles)}
         try:
-            verify, call = make_call(args.shape, args.nodes, args.programs, warps, block_k, stages)
+            verify, call = make_call(args.shape, args.nodes, args.programs, warps, block_k, stages, blocks=blocks)
             row = {"us_per_call": round(time_us(call), 2), "programs": verify.programs, "failed": verify.failed()}
             if not result["variants"]:      # the phase split of the first variant (a compile each)
                 timed, timed_call = make_call(args.shape, args.nodes, args.programs, warps, block_k, stages,
-                                              timed=True)
+                                              timed=True, blocks=blocks)
                 row.update(phase_split(timed, timed_call, L))
                 row["failed"] |= timed.failed()
         except Exception as err:  # noqa: BLE001 - a variant that does not compile is a result too

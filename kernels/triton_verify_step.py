@@ -209,13 +209,13 @@ class PersistentChainVerify:
     and one gated output: the weights, the scratch rows and the barrier counter, made once
     (a CUDA graph holds their addresses). `feature_layers` are the layers whose outputs a
     drafter reads (in layer order); `programs` defaults to the device's SM count. The
-    projections' K blocks are at most `block_k` wide; `timed` (benchmarks) records when each
-    program ends each phase (`phase_us`)."""
+    projections' K blocks are at most `block_k` wide, and `blocks` overrides any tile
+    (benchmarks sweep them); `timed` records when each program ends each phase (`phase_us`)."""
 
     def __init__(self, weights: DecodeWeights, num_heads: int, head_dim: int, head_v_dim: int, eps: float,
                  nodes: int, feature_layers: tuple[int, ...] = (), swish: bool = True, neg_eigval: bool = False,
                  programs: int | None = None, num_warps: int = 4, block_k: int = 256, num_stages: int = 1,
-                 timed: bool = False):
+                 timed: bool = False, blocks: dict[str, int] | None = None):
         wt, dev = weights, weights.w_in.device
         L, N_in, D = wt.w_in.shape
         H, K, V = num_heads, head_dim, head_v_dim
@@ -256,6 +256,10 @@ class PersistentChainVerify:
             BM=16, BN_IN=bn(N_in), BN_O=bn(D), BN_GU=bn(2 * I), BN_DOWN=bn(D), BN_HEAD=bn(self.shape["VOCAB"]),
             BK_D=bk(D), BK_O=bk(H * V, V), BK_I=bk(I), BD=triton.next_power_of_2(D), BK=K,
             BV=triton.next_power_of_2(V), BW=triton.next_power_of_2(W), PBK=par["BK"], PBV=par["BV"])
+        unknown = set(blocks or ()) - set(self.blocks)
+        if unknown:
+            raise ValueError(f"chain verify: no tiles named {sorted(unknown)}")
+        self.blocks.update(blocks or {})
         self.dot = _dot_mode(self.dtype)
         self.launch = dict(num_warps=num_warps, num_stages=num_stages)
         self.times = torch.zeros(6 * L + 2, self.programs, device=dev, dtype=torch.int64) if timed else None
