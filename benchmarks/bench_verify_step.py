@@ -1,6 +1,6 @@
 """The persistent chain verification (kernels/triton_verify_step.py) at the embedded shape:
-its time per call in a CUDA graph for several launch settings, and where the first setting's
-time goes phase by phase (each program stamps the GPU's global timer as it ends a phase).
+its time per call in a CUDA graph for several launch settings, and where each setting's time
+goes phase by phase (each program stamps the GPU's global timer as it ends a phase).
 
     python benchmarks/bench_verify_step.py --out DIR [--nodes 8] [--variants 4/256/1,8/256/1]
 
@@ -75,8 +75,12 @@ def phase_split(verify, call, L: int) -> dict:
     split = {"embeddings": us[0], "final norm + LM head": us[-1]}
     for i, name in enumerate(PHASES):
         split[name + " (all layers)"] = sum(us[1 + 6 * l + i] for l in range(L))
+    # when each program ended layer 0's phases, from the last end of the phase before: a
+    # straggler and a phase whose every program is slow look different here
+    ends = verify.times.double()
+    layer0 = {name: ((ends[1 + i] - ends[i].max()) / 1e3).round(decimals=2).tolist() for i, name in enumerate(PHASES)}
     return {"total_us": sum(us), "per_phase_us": {k: round(v, 2) for k, v in split.items()},
-            "every_phase_us": [round(u, 2) for u in us]}
+            "every_phase_us": [round(u, 2) for u in us], "layer0_program_ends_us": layer0}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,11 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             verify, call = make_call(args.shape, args.nodes, args.programs, warps, block_k, stages, blocks=blocks)
             row = {"us_per_call": round(time_us(call), 2), "programs": verify.programs, "failed": verify.failed()}
-            if not result["variants"]:      # the phase split of the first variant (a compile each)
-                timed, timed_call = make_call(args.shape, args.nodes, args.programs, warps, block_k, stages,
-                                              timed=True, blocks=blocks)
-                row.update(phase_split(timed, timed_call, L))
-                row["failed"] |= timed.failed()
+            timed, timed_call = make_call(args.shape, args.nodes, args.programs, warps, block_k, stages,
+                                          timed=True, blocks=blocks)
+            row.update(phase_split(timed, timed_call, L))
+            row["failed"] |= timed.failed()
         except Exception as err:  # noqa: BLE001 - a variant that does not compile is a result too
             row = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
         result["variants"][variant] = row
