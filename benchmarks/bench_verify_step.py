@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", default="embedded", choices=list(SHAPES))
     p.add_argument("--nodes", type=int, default=8)
     p.add_argument("--programs", type=int, default=None)
-    p.add_argument("--variants", default="4/256/1,8/256/1,4/512/1,8/512/1")
+    p.add_argument("--variants", default="4/256/1,4/256/1:BK_I=256:BN_DOWN=16,4/256/1:BK_I=64,4/256/1:BK_O=64,8/256/1")
     args = p.parse_args(argv)
     L = SHAPES[args.shape][0]
     result = {"command": " ".join(["python benchmarks/bench_verify_step.py"] + (argv or sys.argv[1:])),

@@ -37,31 +37,50 @@ from kernels.pdl import grid_arrive, grid_wait
 from kernels.reference import DecodeWeights
 from kernels.triton_conv_gates import _conv_gates_node
 from kernels.triton_decode_step import check_decode_weights
-from kernels.triton_projection import DEFAULT_SMS, _dot_mode, _dot_slice, _input_block, _row_rstd, _summed_input
+from kernels.triton_projection import (DEFAULT_SMS, _dot_mode, _dot_slice, _input_block, _row_rstd, _split_reduce,
+                                       _summed_input)
 from kernels.triton_verify import PARALLEL_MAX_NODES, _parallel_config, _parallel_tile
 
 MAX_NODES = PARALLEL_MAX_NODES      # the parallel form's [16, 16] tiles, and 16-row projections
+# K slice of the output and down projections: every program recomputes the gated norm or the
+# SwiGLU over the columns it multiplies, so a whole K a program (1024 at the embedded down
+# projection) cost ~24 us a layer on the H200 (benchmarks/results/h200/session16/)
+SPLIT_K = 128
 
 
 @triton.jit
 def _rows_phase(src, w, y, y_stride, M, N, K, eps, pid, programs, sync, dtype: tl.constexpr,
                 PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr, HEAD: tl.constexpr,
-                DOT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """y[:M] = prologue(src) @ w.T [M, N], column blocks dealt round-robin; the block of
-    column 0 also writes x + residual (PROLOGUE 0 with HAS_RES). A program's first block
-    loads its first weight tile, then waits at the barrier `sync`; a program with no block
-    waits too (else its arrivals would count for a phase others have not finished)."""
+                DOT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                SPLIT: tl.constexpr, split_sums):
+    """y[:M] = prologue(src) @ w.T [M, N], units of (column block, K slice) dealt round-robin;
+    the column-0 block also writes x + residual (PROLOGUE 0 with HAS_RES, each K slice its
+    part). A program's first unit loads its first weight tile, then waits at the barrier
+    `sync`; a program with no unit waits too (else its arrivals would count for a phase
+    others have not finished). SPLIT > 1: K slices of BK columns, whose fp32 partials the
+    last slice of a column block to finish sums in slice order (`_split_reduce`, with
+    `split_sums` = (partials, counters)); each program then recomputes the prologue over
+    BK columns, not K: the prologue, redone by every program, is what a wide K costs."""
     rows = tl.arange(0, BM)
     blocks = tl.cdiv(N, BN)
-    for blk in range(pid, blocks, programs):
+    for unit in range(pid, blocks * SPLIT, programs):
+        blk = unit // SPLIT
+        part = unit % SPLIT
         cols = blk * BN + tl.arange(0, BN)
         c_mask = cols < N
-        first = (sync[0], tl.where(blk == pid, sync[1], 0), sync[2])
-        acc = _dot_slice(src, w + cols[:, None] * K, c_mask, 0, K, M, K, eps, blk == 0, dtype,
+        first = (sync[0], tl.where(unit == pid, sync[1], 0), sync[2])
+        k_lo = part * BK if SPLIT > 1 else 0
+        k_hi = tl.minimum(k_lo + BK, K) if SPLIT > 1 else K
+        acc = _dot_slice(src, w + cols[:, None] * K, c_mask, k_lo, k_hi, M, K, eps, blk == 0, dtype,
                          PROLOGUE, HAS_RES, SWISH, HEAD, DOT, BM, BN, BK, 2, first)
-        tl.store(y + rows[:, None] * y_stride + cols[None, :], acc.to(y.dtype.element_ty),
-                 mask=(rows < M)[:, None] & c_mask[None, :])
-    if pid >= blocks:
+        out_mask = (rows < M)[:, None] & c_mask[None, :]
+        y_ptrs = y + rows[:, None] * y_stride + cols[None, :]
+        if SPLIT == 1:
+            tl.store(y_ptrs, acc.to(y.dtype.element_ty), mask=out_mask)
+        else:
+            _split_reduce(acc, split_sums[0], split_sums[1] + blk, y_ptrs, rows[:, None] * N + cols[None, :],
+                          out_mask, part, M * N, SPLIT)
+    if pid >= blocks * SPLIT:
         grid_wait(sync[0], sync[1], sync[2])
 
 
@@ -87,20 +106,22 @@ def _chain_verify_kernel(
         tokens, root, embed, zeros, attn_norm, w_in, conv_w, conv_b, neg_A, dt_bias, o_norm, w_o, mlp_norm,
         w_gu, w_down, final_norm, lm_head, cache, S, pk, pd, pg, P, index, feat_slot,
         logits, hidden, features, k_f, g_f, delta_f, conv_in_f,
-        x_emb, res_a, res_b, x_buf, y_in, q_s, v_s, beta_s, o_buf, gu_buf, counter, status, times, N, eps, scale,
+        x_emb, res_a, res_b, x_buf, y_in, q_s, v_s, beta_s, o_buf, gu_buf, partials, block_counters, counter, status,
+        times, N, eps, scale,
         L: tl.constexpr, D: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
         W: tl.constexpr, I: tl.constexpr, VOCAB: tl.constexpr, F: tl.constexpr, HAS_BIAS: tl.constexpr,
         NEG_EIGVAL: tl.constexpr, SWISH: tl.constexpr, HAS_PENDING: tl.constexpr, DOT: tl.constexpr,
         BM: tl.constexpr, BN_IN: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr,
         BN_HEAD: tl.constexpr, BK_D: tl.constexpr, BK_O: tl.constexpr, BK_I: tl.constexpr, BD: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, PBK: tl.constexpr, PBV: tl.constexpr,
-        TIMED: tl.constexpr):
+        SPLIT_O: tl.constexpr, SPLIT_DOWN: tl.constexpr, TIMED: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     dtype = w_in.dtype.element_ty
     C = H * (2 * K + V)
     N_IN = C + H * V + 2 * H
     a_col = C + H * V
+    sums = (partials, block_counters)
     # the embeddings: row 0 is the root the last step (or the prefill) left on the device
     o_d = tl.arange(0, BD)
     for r in range(pid, N, programs):
@@ -120,7 +141,7 @@ def _chain_verify_kernel(
         else:
             src = (x_buf, D, res_b, D, res_a, zeros, 0, attn_norm + l * D)
         _rows_phase(src, w_in + l * N_IN * D, y_in, N_IN, N, N_IN, D, eps, pid, programs,
-                    (counter, phase * programs, status), dtype, 0, True, SWISH, 1, DOT, BM, BN_IN, BK_D)
+                    (counter, phase * programs, status), dtype, 0, True, SWISH, 1, DOT, BM, BN_IN, BK_D, 1, sums)
         _stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1
@@ -156,7 +177,7 @@ def _chain_verify_kernel(
         # C: gated norm + output projection
         src = (o_buf, H * V, zeros, 0, zeros, y_in + C, N_IN, o_norm + l * V)
         _rows_phase(src, w_o + l * D * H * V, x_buf, D, N, D, H * V, eps, pid, programs,
-                    (counter, phase * programs, status), dtype, 1, False, SWISH, V, DOT, BM, BN_O, BK_O)
+                    (counter, phase * programs, status), dtype, 1, False, SWISH, V, DOT, BM, BN_O, BK_O, SPLIT_O, sums)
         _stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1
@@ -164,7 +185,7 @@ def _chain_verify_kernel(
         # D: residual add + norm + gate/up projection
         src = (x_buf, D, res_a, D, res_b, zeros, 0, mlp_norm + l * D)
         _rows_phase(src, w_gu + l * 2 * I * D, gu_buf, 2 * I, N, 2 * I, D, eps, pid, programs,
-                    (counter, phase * programs, status), dtype, 0, True, SWISH, 1, DOT, BM, BN_GU, BK_D)
+                    (counter, phase * programs, status), dtype, 0, True, SWISH, 1, DOT, BM, BN_GU, BK_D, 1, sums)
         _stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1
@@ -172,7 +193,7 @@ def _chain_verify_kernel(
         # E: SwiGLU + down projection
         src = (gu_buf, 2 * I, zeros, 0, zeros, zeros, 0, zeros)
         _rows_phase(src, w_down + l * D * I, x_buf, D, N, D, I, eps, pid, programs,
-                    (counter, phase * programs, status), dtype, 2, False, SWISH, 1, DOT, BM, BN_DOWN, BK_I)
+                    (counter, phase * programs, status), dtype, 2, False, SWISH, 1, DOT, BM, BN_DOWN, BK_I, SPLIT_DOWN, sums)
         _stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1
@@ -180,7 +201,7 @@ def _chain_verify_kernel(
     # F: final norm + LM head (fp32 logits); the normed rows and the last layer's features
     src = (x_buf, D, res_b, D, res_a, zeros, 0, final_norm)
     _rows_phase(src, lm_head, logits, VOCAB, N, VOCAB, D, eps, pid, programs,
-                (counter, phase * programs, status), dtype, 0, True, SWISH, 1, DOT, BM, BN_HEAD, BK_D)
+                (counter, phase * programs, status), dtype, 0, True, SWISH, 1, DOT, BM, BN_HEAD, BK_D, 1, sums)
     last_slot = tl.load(feat_slot + L - 1)
     for r in range(pid, N, programs):
         row = r + tl.arange(0, 1)
@@ -250,16 +271,26 @@ class PersistentChainVerify:
         self.status = torch.zeros(1, device=dev, dtype=torch.int32)
         # the [16, BK] fp32 prologue block of the dot form stays at <= 32 registers a thread
         bk = lambda k, head=1: max(head, 16, min(triton.next_power_of_2(k), block_k))  # noqa: E731
-        bn = lambda cols: _dot_block_n(cols, self.programs)  # noqa: E731
+        bn = lambda cols, split=1: _dot_block_n(cols * split, self.programs)  # noqa: E731
         par = _parallel_config(n, K, V)
+        # the output and down projections are split over K in slices of SPLIT_K columns
+        bk_o, bk_i = max(V, min(SPLIT_K, H * V)), min(SPLIT_K, I)
         self.blocks = dict(
-            BM=16, BN_IN=bn(N_in), BN_O=bn(D), BN_GU=bn(2 * I), BN_DOWN=bn(D), BN_HEAD=bn(self.shape["VOCAB"]),
-            BK_D=bk(D), BK_O=bk(H * V, V), BK_I=bk(I), BD=triton.next_power_of_2(D), BK=K,
-            BV=triton.next_power_of_2(V), BW=triton.next_power_of_2(W), PBK=par["BK"], PBV=par["BV"])
+            BM=16, BN_IN=bn(N_in), BN_O=bn(D, triton.cdiv(H * V, bk_o)), BN_GU=bn(2 * I),
+            BN_DOWN=bn(D, triton.cdiv(I, bk_i)), BN_HEAD=bn(self.shape["VOCAB"]), BK_D=bk(D), BK_O=bk_o, BK_I=bk_i,
+            BD=triton.next_power_of_2(D), BK=K, BV=triton.next_power_of_2(V), BW=triton.next_power_of_2(W),
+            PBK=par["BK"], PBV=par["BV"])
         unknown = set(blocks or ()) - set(self.blocks)
         if unknown:
             raise ValueError(f"chain verify: no tiles named {sorted(unknown)}")
         self.blocks.update(blocks or {})
+        if self.blocks["BK_O"] % V:
+            raise ValueError(f"chain verify: BK_O {self.blocks['BK_O']}: the gated norm's K slices are whole heads")
+        self.blocks["SPLIT_O"] = triton.cdiv(H * V, self.blocks["BK_O"])
+        self.blocks["SPLIT_DOWN"] = triton.cdiv(I, self.blocks["BK_I"])
+        split = max(self.blocks["SPLIT_O"], self.blocks["SPLIT_DOWN"])
+        self.partials = torch.zeros(split * n * D, **f32)
+        self.block_counters = torch.zeros(triton.cdiv(D, 16), device=dev, dtype=torch.int32)
         self.dot = _dot_mode(self.dtype)
         self.launch = dict(num_warps=num_warps, num_stages=num_stages)
         self.times = torch.zeros(6 * L + 2, self.programs, device=dev, dtype=torch.int64) if timed else None
@@ -302,7 +333,8 @@ class PersistentChainVerify:
             pk.shape[2] if pending is not None else 0, self.index, self.feat_slot,
             logits, hidden, features if features is not None else hidden, k_f, g_f, delta_f, conv_in_f,
             self.x_emb, self.res_a, self.res_b, self.x, self.y_in, self.q, self.v, self.beta, self.o,
-            self.gate_up, self.counter, self.status, self.times if self.times is not None else self.counter,
+            self.gate_up, self.partials, self.block_counters, self.counter, self.status,
+            self.times if self.times is not None else self.counter,
             n, self.eps, self.scale, **s, HAS_BIAS=wt.conv_b is not None, NEG_EIGVAL=self.neg_eigval,
             SWISH=self.swish, HAS_PENDING=pending is not None, DOT=self.dot, **self.blocks,
             TIMED=self.times is not None, **self.launch)

@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 def check_chain_verify(L: int, D: int, H: int, K: int, V: int, W: int, I: int, vocab: int, dtype, device,
                        nodes: int, pending: bool = True, features: tuple[int, ...] = (), bias: bool = False,
-                       neg_eigval: bool = False, programs: int | None = None, seed: int = 0) -> list[str]:
+                       neg_eigval: bool = False, programs: int | None = None, seed: int = 0,
+                       blocks: dict[str, int] | None = None) -> list[str]:
     """Two chains verified from one random state; the second call folds a different
     pending commit into the state the first left, so a stale read, a missed barrier or a
     counter left armed shows in the second."""
@@ -32,7 +33,8 @@ def check_chain_verify(L: int, D: int, H: int, K: int, V: int, W: int, I: int, v
     C, P, n = H * (2 * K + V), 5, nodes
     cache = torch.randn(L, 1, C, W, generator=gen).to(device=device, dtype=dtype)
     S = (torch.randn(L, 1, H, K, V, generator=gen) * 0.1).to(device)
-    verify = PersistentChainVerify(wt, H, K, V, 1e-6, n, features, neg_eigval=neg_eigval, programs=programs)
+    verify = PersistentChainVerify(wt, H, K, V, 1e-6, n, features, neg_eigval=neg_eigval, programs=programs,
+                                   blocks=blocks)
     f32 = dict(device=device, dtype=torch.float32)
     factors = (torch.zeros(L, 1, n, H, K, **f32), torch.zeros(L, 1, n, H, **f32), torch.zeros(L, 1, n, H, V, **f32),
                torch.zeros(L, 1, n, C, device=device, dtype=dtype))
@@ -96,6 +98,10 @@ def test_chain_verify_rejects_bad_input():
         PersistentChainVerify(wt, 2, 16, 16, 1e-6, 4, feature_layers=(1, 0))
     with pytest.raises(ValueError, match="do not fit"):
         PersistentChainVerify(wt, 3, 16, 16, 1e-6, 4)
+    with pytest.raises(ValueError, match="no tiles named"):
+        PersistentChainVerify(wt, 2, 16, 16, 1e-6, 4, blocks={"BN_UP": 16})
+    with pytest.raises(ValueError, match="whole heads"):
+        PersistentChainVerify(wt, 2, 16, 16, 1e-6, 4, blocks={"BK_O": 24})
     verify = PersistentChainVerify(wt, 2, 16, 16, 1e-6, 4)
     with pytest.raises(ValueError, match="tokens"):
         verify(torch.zeros(1, 5, dtype=torch.long), torch.zeros(1, dtype=torch.long), None, None, None,
@@ -135,7 +141,9 @@ if __name__ == "__main__":
         sys.exit(f"usage: TRITON_INTERPRET=1 python {sys.argv[0]} --interpreter")
     failed = 0
     for dtype in (torch.float32, torch.bfloat16):
-        problems = check_chain_verify(*SHAPES["tiny"], dtype, "cpu", nodes=5, features=(0, 1),
+        # bf16 with the output and down projections split over K (2 and 4 slices)
+        split = {"BK_O": 16, "BK_I": 16} if dtype == torch.bfloat16 else None
+        problems = check_chain_verify(*SHAPES["tiny"], dtype, "cpu", nodes=5, features=(0, 1), blocks=split,
                                       bias=dtype == torch.float32, neg_eigval=dtype == torch.bfloat16, programs=1)
         print(("FAIL " if problems else "ok ") + str(dtype) + " " + "; ".join(problems))
         failed += bool(problems)
