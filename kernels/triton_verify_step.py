@@ -21,6 +21,10 @@ recurrence in the parallel (tree-masked UT) form for a chain, so N nodes cost on
     then       F   residual add + final RMSNorm + LM head (fp32 logits), the normed rows and
                    the last layer's feature rows
 
+On the H200 (benchmarks/results/h200/session16/) a chain of 8 takes ~150 us in one launch
+against ~169 us for the 45 per-op launches: each phase costs 3-6 us, about what a launch did,
+so what is left to win is fewer phases a layer, not cheaper boundaries.
+
 The arithmetic is the per-op verification's (`triton_projection._dot_slice`,
 `triton_conv_gates._conv_gates_node`, `triton_verify._parallel_tile`), so the logits equal the
 fused op set's tree forward's up to the order of fp32 sums. The state is written only by the

@@ -178,6 +178,18 @@ class Engine:
         return spec_vs_ar_noise(self.packed, ar, state0, prompt[-1], tokens[:n], n, self.recurrence)
 
     # -- speculation -----------------------------------------------------------------------
+    def verification_note(self) -> str | None:
+        """How the last graphed decode verified its drafts (one persistent launch or per-op
+        launches, and why); None before the first."""
+        if not self._decoders:
+            return None
+        dec = next(reversed(self._decoders.values()))
+        if isinstance(dec, dict):
+            spec = dec["spec"]
+        else:
+            spec = dec.spec if dec.on_device else next(reversed(dec.specs.values()), None)
+        return getattr(spec, "verify_note", None)
+
     def plan(self, drafter, settings: DecodeSettings, draft_settings: DraftSettings) -> Plan:
         """Where each part of a step will run for these settings (without building anything)."""
         if self.backend == "eager":

@@ -345,7 +345,8 @@ class Explorer:
         if not e:
             return ""
         if e.get("backend") == "graphed":
-            how = (f"  \n*Engine: CUDA graphs ({html.escape(str(e.get('ops', '')))}, {e.get('dtype')}), drafting "
+            ops = str(e.get("ops", "")) + (f"; {e['verification']}" if e.get("verification") else "")
+            how = (f"  \n*Engine: CUDA graphs ({html.escape(ops)}, {e.get('dtype')}), drafting "
                    f"on the {'device' if e.get('drafting') == 'device' else 'host'}, acceptance on the "
                    f"{e.get('acceptance')}; {e.get('graphs', 0)} graphs, set-up {e.get('capture_ms', 0) / 1e3:.1f} s "
                    "(capture and compile, not timed). Step times are CUDA events.*")

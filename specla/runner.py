@@ -557,7 +557,8 @@ def run(runtime: Runtime, prompt: str, settings: dict | None = None) -> Iterator
     plan = engine.plan(drafter, decode, _draft_settings(s))      # after the build: a failed capture shows
     model, record = runtime.model_info(), settings_record(s)
     engine_info = {"backend": plan.backend, "drafting": plan.drafting, "acceptance": plan.acceptance,
-                   "note": plan.note, "ops": engine.ops_note, "dtype": model["dtype"],
+                   "note": plan.note, "ops": engine.ops_note, "verification": engine.verification_note(),
+                   "dtype": model["dtype"],
                    "graphs": engine.graphs, "capture_ms": round(capture_ms, 1)}
 
     def make(steps: list[dict], seconds: float, baseline: dict, **extra) -> dict:

@@ -835,3 +835,15 @@ def test_running_out_of_gpu_memory_mid_decode_is_a_message(rt, gpu_like, caplog)
 def test_an_unknown_model_is_a_message(ex):
     outs = run(ex, model="gpt-5")
     assert len(outs) == 1 and "unknown model 'gpt-5'; this page has: loaded, gdn-1.3b-random" in outs[0][0]
+
+
+def test_the_engine_line_names_how_chains_were_verified():
+    """A graphed run's trace says which verification path ran (the persistent chain launch or
+    the per-op one), and the engine line shows it beside the op set."""
+    trace = {"engine": {"backend": "graphed", "ops": "fused projections", "dtype": "bfloat16", "drafting": "device",
+                        "acceptance": "device", "graphs": 4, "capture_ms": 1200.0,
+                        "verification": "a chain's verification as one persistent launch (132 programs)"}}
+    line = Explorer.engine_md(trace)
+    assert "fused projections; a chain&#x27;s verification as one persistent launch (132 programs)" in line
+    del trace["engine"]["verification"]
+    assert "persistent" not in Explorer.engine_md(trace)

@@ -80,6 +80,8 @@ def test_graphed_backend_equals_eager_fp32(cpu_pair, kind, shape, deferred):
     assert accepted > 0, "no draft accepted: the comparison would only cover rejections"
     plan = graphed.plan(drafters[kind], settings, SHAPES[shape])
     assert plan.drafting == "device", plan
+    # the last decode's verification path, as the app shows it: per-op launches on a CPU
+    assert graphed.verification_note().startswith("per-op "), graphed.verification_note()
 
 
 def test_graphed_state_equals_a_replay(cpu_pair):

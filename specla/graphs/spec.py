@@ -322,7 +322,7 @@ class GraphedSpec:
             self.mode = "tree"
         n, dev, c = len(tree), rt.device, rt.config
         # a chain verified by the kernels: one persistent launch where the target's AR token is one
-        self.chain_verify, self.verify_note = None, "per-op verification"
+        self.chain_verify, self.verify_note = None, f"per-op {self.mode} verification"
         if persistent_verify and self.mode == "chain" and recurrence == "kernels" and not self.dynamic:
             self.chain_verify, self.verify_note = rt.chain_verifier(n, self.feature_layers, deferred)
         if n > state.log.nodes:
