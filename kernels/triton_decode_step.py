@@ -186,11 +186,11 @@ def _block_n(N: int, programs: int, block_k: int, elem: int) -> int:
     return max(4, min(64, fit, triton.next_power_of_2(triton.cdiv(N, programs))))
 
 
-def check_decode_weights(wt: DecodeWeights, H: int, K: int, V: int, what: str) -> None:
-    """Raise ValueError unless the stacked weights fit heads [K, V] with an output gate, a
-    power-of-two head width (the fused gated norm's) and contiguous tensors."""
-    N_in = wt.w_in.shape[1]
-    C = wt.conv_w.shape[1]
+def check_decode_weights(wt: DecodeWeights, H: int, K: int, V: int, what: str) -> tuple[int, ...]:
+    """(L, N_in, D, C, W, I) of stacked weights that fit heads [K, V] with an output gate, a
+    power-of-two head width (the fused gated norm's) and contiguous tensors; else ValueError."""
+    L, N_in, D = wt.w_in.shape
+    C, W = wt.conv_w.shape[1:]
     if C != H * (2 * K + V) or N_in != C + H * V + 2 * H:
         raise ValueError(f"{what}: w_in {tuple(wt.w_in.shape)} and conv {tuple(wt.conv_w.shape)} do not "
                          f"fit H={H}, K={K}, V={V} with an output gate")
@@ -200,6 +200,13 @@ def check_decode_weights(wt: DecodeWeights, H: int, K: int, V: int, what: str) -
                  "w_gate_up", "w_down", "embed", "lm_head", "final_norm"):
         if not getattr(wt, name).is_contiguous():
             raise ValueError(f"{what}: {name} must be contiguous")
+    return L, N_in, D, C, W, wt.w_down.shape[2]
+
+
+def resident_programs(device: torch.device, programs: int | None) -> int:
+    """A persistent kernel's grid: `programs`, at most (and by default) one an SM."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_SMS
+    return min(programs or sms, sms)
 
 
 class PersistentDecodeStep:
@@ -210,13 +217,9 @@ class PersistentDecodeStep:
     def __init__(self, weights: DecodeWeights, num_heads: int, head_dim: int, head_v_dim: int, eps: float,
                  swish: bool = True, neg_eigval: bool = False, programs: int | None = None):
         wt, dev = weights, weights.w_in.device
-        L, N_in, D = wt.w_in.shape
         H, K, V = num_heads, head_dim, head_v_dim
-        C, W = wt.conv_w.shape[1:]
-        I = wt.w_down.shape[2]
-        check_decode_weights(wt, H, K, V, "decode step")
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else DEFAULT_SMS
-        self.programs = min(programs or sms, sms)
+        L, N_in, D, C, W, I = check_decode_weights(wt, H, K, V, "decode step")
+        self.programs = resident_programs(dev, programs)
         self.weights, self.device, self.dtype = wt, dev, wt.w_in.dtype
         self.shape = dict(L=L, D=D, H=H, K=K, V=V, W=W, I=I, VOCAB=wt.lm_head.shape[0])
         self.eps, self.scale, self.swish, self.neg_eigval = eps, K ** -0.5, swish, neg_eigval

@@ -40,8 +40,8 @@ import triton.language as tl
 from kernels.pdl import grid_arrive, grid_wait
 from kernels.reference import DecodeWeights
 from kernels.triton_conv_gates import _conv_gates_node
-from kernels.triton_decode_step import check_decode_weights
-from kernels.triton_projection import (DEFAULT_SMS, _dot_mode, _dot_slice, _input_block, _row_rstd, _split_reduce,
+from kernels.triton_decode_step import check_decode_weights, resident_programs
+from kernels.triton_projection import (_dot_mode, _dot_slice, _input_block, _row_rstd, _split_reduce,
                                        _summed_input)
 from kernels.triton_verify import PARALLEL_MAX_NODES, _parallel_config, _parallel_tile
 
@@ -242,11 +242,8 @@ class PersistentChainVerify:
                  programs: int | None = None, num_warps: int = 4, block_k: int = 256, num_stages: int = 1,
                  timed: bool = False, blocks: dict[str, int] | None = None):
         wt, dev = weights, weights.w_in.device
-        L, N_in, D = wt.w_in.shape
         H, K, V = num_heads, head_dim, head_v_dim
-        C, W = wt.conv_w.shape[1:]
-        I = wt.w_down.shape[2]
-        check_decode_weights(wt, H, K, V, "chain verify")
+        L, N_in, D, C, W, I = check_decode_weights(wt, H, K, V, "chain verify")
         if not 1 <= nodes <= MAX_NODES:
             raise ValueError(f"chain verify: {nodes} nodes; the parallel form takes 1 to {MAX_NODES}")
         if triton.next_power_of_2(K) != K or K < 16:
@@ -254,8 +251,7 @@ class PersistentChainVerify:
         if sorted(set(feature_layers)) != list(feature_layers) or any(not 0 <= f < L for f in feature_layers):
             raise ValueError(f"chain verify: feature layers {feature_layers} must be distinct layers 0..{L - 1}, "
                              "in order")
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else DEFAULT_SMS
-        self.programs = min(programs or sms, sms)
+        self.programs = resident_programs(dev, programs)
         self.weights, self.device, self.dtype, self.nodes = wt, dev, wt.w_in.dtype, nodes
         self.feature_layers = tuple(feature_layers)
         self.shape = dict(L=L, D=D, H=H, K=K, V=V, W=W, I=I, VOCAB=wt.lm_head.shape[0], F=max(1, len(feature_layers)))

@@ -105,15 +105,20 @@ def test_decode_step_rejects_bad_shapes():
                              2, 16, 12, 1e-6)
 
 
+def run_interpreted(script: str) -> str:
+    """`script --interpreter` under Triton's CPU interpreter; its output, once it exited 0."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, script, "--interpreter"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
 def test_decode_step_interpreter():
     """One program through Triton's CPU interpreter: the phases' arithmetic and the barriers'
     bookkeeping (the counter re-armed after each launch)."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, __file__, "--interpreter"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("ok ") == 3
+    assert run_interpreted(__file__).count("ok ") == 3
 
 
 def check_packed_target(dtype) -> list[str]:

@@ -5,18 +5,14 @@ with a few programs; on the CPU through Triton's interpreter with one program.""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from kernels import reference
-from tests.test_decode_step import SHAPES, random_weights
+from tests.test_decode_step import SHAPES, random_weights, run_interpreted
 from tests.test_kernels import RTOL, needs_cuda, rel_err
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def check_chain_verify(L: int, D: int, H: int, K: int, V: int, W: int, I: int, vocab: int, dtype, device,
@@ -111,12 +107,7 @@ def test_chain_verify_rejects_bad_input():
 def test_chain_verify_interpreter():
     """One program through Triton's CPU interpreter: every phase's arithmetic against the
     reference and the barriers' bookkeeping over two calls."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, __file__, "--interpreter"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("ok ") == 4
+    assert run_interpreted(__file__).count("ok ") == 4
 
 
 def check_packed_target(dtype, deferred: bool) -> list[str]:

@@ -89,13 +89,19 @@ def check_whole_step(packed, step, tokens: int = 3, seed: int = 0) -> str | None
         token = torch.randint(c.vocab_size, (1, 1), generator=gen).to(packed.device)
         step(token, mine.conv, mine.recurrent, logits)
         want = packed.ar_forward(token, theirs).view(-1)
-        for name, got, ref in (("logits", logits, want), ("state", mine.recurrent, theirs.recurrent),
-                               ("conv cache", mine.conv, theirs.conv)):
-            err = ((got.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-12)).item()
-            if not err < tol:
-                return f"token {t}: {name} relative error {err:.2e}"
-    if step.failed():
-        return "a grid barrier gave up waiting"
+        problem = first_difference([("logits", logits, want), ("state", mine.recurrent, theirs.recurrent),
+                                    ("conv cache", mine.conv, theirs.conv)], tol)
+        if problem:
+            return f"token {t}: {problem}"
+    return "a grid barrier gave up waiting" if step.failed() else None
+
+
+def first_difference(pairs: list[tuple[str, torch.Tensor, torch.Tensor]], tol: float) -> str | None:
+    """The first (name, got, want) whose relative error is not below tol, said; else None."""
+    for name, got, ref in pairs:
+        err = ((got.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-12)).item()
+        if not err < tol:
+            return f"{name} relative error {err:.2e}"
     return None
 
 
@@ -160,10 +166,7 @@ def check_chain_verify(packed, verifier, deferred: bool, seed: int = 0) -> str |
                                    ("k", "g", "delta", "conv_in")]
     if feats is not None:
         pairs.append(("features", feats, want_feats))
-    for name, got, ref in pairs:
-        err = ((got.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-12)).item()
-        if not err < tol:
-            return f"{name} relative error {err:.2e}"
-    if verifier.failed():
-        return "a grid barrier gave up waiting"
-    return None
+    problem = first_difference(pairs, tol)
+    if problem:
+        return problem
+    return "a grid barrier gave up waiting" if verifier.failed() else None
