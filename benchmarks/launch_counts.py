@@ -92,7 +92,8 @@ def count_bodies(runtime, ops: str, args) -> tuple[dict, Engine]:
         dec = engine.decoder(drafter, settings, draft)
         # a host drafter's decoder keeps one captured step per draft size: count the largest
         spec = dec.spec if dec.on_device else max(dec.specs.values(), key=lambda sp: sp.tokens.shape[-1])
-    variant = {"ops": engine.ops_note, "verify": getattr(spec, "verify_note", None), "dtype": str(engine.dtype).replace("torch.", ""), "bodies": {},
+    variant = {"ops": engine.ops_note, "verify": spec.verify_note, "dtype": str(engine.dtype).replace("torch.", ""),
+               "bodies": {},
                "ar_ms_per_token": ar_wall_time(ar, snapshot, prompt[-1], settings.max_new_tokens)}
     bodies = {"ar_step": ar._step, "draft": spec.draft, "verify": spec.verify,
               "accept (compiled)" if spec.compiled else "accept": spec._accept}

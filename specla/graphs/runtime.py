@@ -75,6 +75,7 @@ class PackedTarget:
         if key not in self._chain_verifiers:
             self._chain_verifiers[key] = chain_verify_for(self, nodes, tuple(feature_layers), deferred)
         return self._chain_verifiers[key]
+
     def _probe_fp32_head(self) -> bool:
         """bf16 GEMM with fp32 output for the LM head where cuBLAS offers it: logits keep their
         precision (bf16 logits tie exactly for ~8% of top-2 pairs, a needless source of flips)."""

@@ -166,7 +166,4 @@ def check_chain_verify(packed, verifier, deferred: bool, seed: int = 0) -> str |
                                    ("k", "g", "delta", "conv_in")]
     if feats is not None:
         pairs.append(("features", feats, want_feats))
-    problem = first_difference(pairs, tol)
-    if problem:
-        return problem
-    return "a grid barrier gave up waiting" if verifier.failed() else None
+    return first_difference(pairs, tol) or ("a grid barrier gave up waiting" if verifier.failed() else None)
