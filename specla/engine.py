@@ -190,6 +190,15 @@ class Engine:
             spec = dec.spec if dec.on_device else next(reversed(dec.specs.values()), None)
         return getattr(spec, "verify_note", None)
 
+    def drafting_note(self) -> str | None:
+        """How the last graphed decode's device drafter drafts (one persistent launch or torch
+        ops, and why); None before the first or where the drafter has no such choice."""
+        if not self._decoders:
+            return None
+        dec = next(reversed(self._decoders.values()))
+        drafter = None if isinstance(dec, dict) or not dec.on_device else dec.drafter
+        return getattr(drafter, "draft_note", None)
+
     def plan(self, drafter, settings: DecodeSettings, draft_settings: DraftSettings) -> Plan:
         """Where each part of a step will run for these settings (without building anything)."""
         if self.backend == "eager":

@@ -346,8 +346,9 @@ class Explorer:
             return ""
         if e.get("backend") == "graphed":
             ops = str(e.get("ops", "")) + (f"; {e['verification']}" if e.get("verification") else "")
+            drafts = f" ({e['drafting_kernel']})" if e.get("drafting") == "device" and e.get("drafting_kernel") else ""
             how = (f"  \n*Engine: CUDA graphs ({html.escape(ops)}, {e.get('dtype')}), drafting "
-                   f"on the {'device' if e.get('drafting') == 'device' else 'host'}, acceptance on the "
+                   f"on the {'device' if e.get('drafting') == 'device' else 'host'}{html.escape(drafts)}, acceptance on the "
                    f"{e.get('acceptance')}; {e.get('graphs', 0)} graphs, set-up {e.get('capture_ms', 0) / 1e3:.1f} s "
                    "(capture and compile, not timed). Step times are CUDA events.*")
         else:

@@ -558,6 +558,7 @@ def run(runtime: Runtime, prompt: str, settings: dict | None = None) -> Iterator
     model, record = runtime.model_info(), settings_record(s)
     engine_info = {"backend": plan.backend, "drafting": plan.drafting, "acceptance": plan.acceptance,
                    "note": plan.note, "ops": engine.ops_note, "verification": engine.verification_note(),
+                   "drafting_kernel": engine.drafting_note(),
                    "dtype": model["dtype"],
                    "graphs": engine.graphs, "capture_ms": round(capture_ms, 1)}
 

@@ -36,6 +36,7 @@ from specla.drafters.eagle import EagleDrafter
 from specla.drafters import ngram
 from specla.drafters.lilicorr import LiLiCorrDrafter, candidates, greedy_walk, lattice, tree_rows
 from specla.drafters.ngram import NgramDrafter
+from specla.graphs.draft_step import block_draft_for
 from specla.graphs.spec import GraphedSpec, StepLog
 from specla.graphs.trees import (Frontier, GrownTree, conditional_rows, frontier_width, grow_tree, pool_size,
                                  static_rows, tree_nodes)
@@ -87,7 +88,7 @@ class DeviceBlockDrafter(_DeviceDrafter):
     """
 
     def __init__(self, drafter: BlockDrafter, settings: DraftSettings, compile: bool = False,
-                 fused_head: bool | None = None):
+                 fused_head: bool | None = None, persistent: bool | None = None):
         net, c = drafter.net, drafter.net.config
         settings.validate(drafter.parts.vocab_size)
         self.net, self.parts, self.feature_layers = net, drafter.parts, tuple(drafter.feature_layers)
@@ -116,8 +117,9 @@ class DeviceBlockDrafter(_DeviceDrafter):
         self.ctx = torch.zeros(W, c.width, device=dev, dtype=w.dtype)       # fused rows, oldest first
         self.valid = torch.zeros(W, dtype=torch.bool, device=dev)          # invalid rows at the front
         heads, hd = c.heads, c.width // c.heads
-        self.kv = [(torch.zeros(W, heads, hd, device=dev, dtype=w.dtype),
-                    torch.zeros(W, heads, hd, device=dev, dtype=w.dtype)) for _ in net.layers]
+        # per layer the raw keys and values of the window, views of one stack the kernel reads
+        self.kv_stack = torch.zeros(len(net.layers), 2, W, c.width, device=dev, dtype=w.dtype)
+        self.kv = [(kv[0].view(W, heads, hd), kv[1].view(W, heads, hd)) for kv in self.kv_stack]
         self.arange_w = torch.arange(W, device=dev)
         self.fused_head = self._fused_head(fused_head, dev) if self.lilicorr else None
         self.topk = self._topk(fused_head, dev)
@@ -134,6 +136,14 @@ class DeviceBlockDrafter(_DeviceDrafter):
         self._slot_logits = wrap(self.slot_logits)
         self._torch_lattice = wrap(self.torch_lattice)
         self._choose = wrap(self.choose)
+        # observe + block pass + the slots' top-k as one launch where it applies (`draft_step`)
+        self.no_path = torch.tensor([-1, 0, 0], device=dev)      # a result that appends nothing
+        self.kernel, self.draft_note = block_draft_for(self, persistent)
+        if self.kernel is not None:
+            self.k_h = torch.zeros(c.block_size - 1, c.width, device=dev, dtype=w.dtype)
+            self.k_logits = torch.zeros(c.block_size - 1, self.parts.vocab_size, device=dev)
+            self.k_cand = torch.zeros(self.slots, self.top_k, dtype=torch.long, device=dev)
+            self.k_cand_logp = torch.zeros(self.slots, self.top_k, device=dev)
 
     def _fused_head(self, wanted: bool | None, device: torch.device):
         """The head as Triton kernels, or None for the torch ops (see `fused_head`)."""
@@ -181,14 +191,14 @@ class DeviceBlockDrafter(_DeviceDrafter):
                             chosen=torch.zeros(log.steps, S, dtype=torch.long, device=dev))
 
     def buffers(self) -> list[torch.Tensor]:
-        return [self.ctx, self.valid] + [t for kv in self.kv for t in kv] + list(self.log.values())
+        return [self.ctx, self.valid, self.kv_stack] + list(self.log.values())
 
     # -- context ----------------------------------------------------------------------------
     @torch.no_grad()
     def reset(self, prompt: list[int], features: torch.Tensor | None, hidden: torch.Tensor | None = None) -> None:
         """Fill the window from the prompt's target features [T, n_layers, D] (what
         `PackedTarget.prefill` returns; None or empty for a one-token prompt)."""
-        for t in (self.ctx, self.valid, *[t for kv in self.kv for t in kv]):
+        for t in (self.ctx, self.valid, self.kv_stack):
             t.zero_()
         if features is None or not features.shape[0]:
             return
@@ -245,9 +255,20 @@ class DeviceBlockDrafter(_DeviceDrafter):
         batch dimension dropped: cand / cand_logp [S, k], start [k], pair [S-1, k, k], chosen [S];
         and the slot logits [1, S, V]."""
         h, logits = self._slot_logits(root)
+        return self.lattice_scores(h, logits, None if self.lilicorr else self.topk(logits[0], self.top_k))
+
+    @torch.no_grad()
+    def kernel_scores(self, root: torch.Tensor, result: torch.Tensor, features: torch.Tensor | None):
+        """`observe_rows` of `result` then `scores(root)`, the block pass and top-k in one launch."""
+        self.kernel(root, result, features, self.ctx, self.valid, self.kv_stack, self.k_h, self.k_logits,
+                    self.k_cand, self.k_cand_logp)
+        S = self.slots
+        return self.lattice_scores(self.k_h[None, :S], self.k_logits[None, :S], (self.k_cand, self.k_cand_logp))
+
+    def lattice_scores(self, h: torch.Tensor, logits: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None):
+        """`scores` from the slot hiddens and logits (and, for the block drafter, their top-k)."""
         if not self.lilicorr:
-            cand, cand_logp = self.topk(logits[0], self.top_k)
-            return {"cand": cand, "cand_logp": cand_logp, "logits": logits}
+            return {"cand": top[0], "cand_logp": top[1], "logits": logits}
         if self.fused_head is not None:
             out = self.fused_head.draft(logits, h, self.anchor())
             parts = (out.cand, out.cand_logp, out.start, out.pair, out.ranks)
@@ -309,11 +330,23 @@ class DeviceBlockDrafter(_DeviceDrafter):
         return grow_tree(root, rows, depth=self.slots, shape=self.shape, top_k=self.top_k,
                          budget=self.budget, prune_tau=self.prune_tau)
 
+    def draft(self, spec: GraphedSpec) -> None:
+        if self.kernel is None:
+            super().draft(spec)
+            return
+        self.propose_from(spec, self.kernel_scores(spec.state.root, spec.result, spec.features))
+
     @torch.no_grad()
     def propose(self, spec: GraphedSpec) -> None:
         """Draft the next step after the spec's root into `spec.tokens` (and its topology)."""
         root = spec.state.root
-        scores = self.scores(root)
+        scores = self.scores(root) if self.kernel is None else self.kernel_scores(root, self.no_path, None)
+        self.propose_from(spec, scores)
+
+    @torch.no_grad()
+    def propose_from(self, spec: GraphedSpec, scores: dict[str, torch.Tensor]) -> None:
+        """The draft from the slots' scores into `spec.tokens`, its topology and the logs."""
+        root = spec.state.root
         q = None
         if self.samples_chains:
             grown, q = self.sampled_chain(root, scores.pop("logits"), scores)
