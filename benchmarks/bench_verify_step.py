@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernels.triton_verify_step import PersistentChainVerify  # noqa: E402
 from tests.test_decode_step import SHAPES, random_weights  # noqa: E402
 
-PHASES = ("A in-proj", "B conv+gates+recurrence", "C out-proj", "D gate/up", "E down")
+PHASES = ("A in-proj", "B1 conv+gates", "B2 recurrence", "C out-proj", "D gate/up", "E down")
 
 
 def make_call(shape: str, nodes: int, programs: int | None, warps: int, block_k: int, stages: int,
@@ -74,7 +74,7 @@ def phase_split(verify, call, L: int) -> dict:
     us = verify.phase_us()
     split = {"embeddings": us[0], "final norm + LM head": us[-1]}
     for i, name in enumerate(PHASES):
-        split[name + " (all layers)"] = sum(us[1 + len(PHASES) * l + i] for l in range(L))
+        split[name + " (all layers)"] = sum(us[1 + 6 * l + i] for l in range(L))
     # when each program ended layer 0's phases, from the last end of the phase before: a
     # straggler and a phase whose every program is slow look different here
     ends = verify.times.double()

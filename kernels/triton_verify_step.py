@@ -10,20 +10,20 @@ recurrence in the parallel (tree-masked UT) form for a chain, so N nodes cost on
 
     first      the nodes' embeddings (the root read from the device)
     per layer  A   residual add + RMSNorm + input projection, N rows (tl.dot)
-               B   per (head, V tile): conv along the chain, SiLU, l2 norms and gates of the
-                   head's N nodes (the factors k, g and the raw conv inputs go straight into
-                   the commit buffers), then the deferred commit folded into the state tile,
-                   stored, and the parallel form over the N nodes (outputs and the delta
-                   factors); the feature rows of the layer before
+               B1  per (node, head): conv along the chain, SiLU, l2 norms, gates; the
+                   factors k, g and the raw conv inputs go straight into the commit buffers;
+                   the feature rows of the layer before
+               B2  per (head, V tile): fold the deferred commit into the state tile, store it,
+                   and the parallel form over the N nodes (outputs and the delta factors)
                C   gated per-head norm + output projection
                D   residual add + RMSNorm + gate/up projection
                E   SwiGLU + down projection
     then       F   residual add + final RMSNorm + LM head (fp32 logits), the normed rows and
                    the last layer's feature rows
 
-On the H200 (benchmarks/results/h200/session16/) each phase costs 3-6 us, about what a launch
-did, so fewer phases a layer is what wins: each unit of B computes its head's conv and gates
-itself rather than reading them from a phase of their own.
+On the H200 (benchmarks/results/h200/session16/) a chain of 8 takes ~150 us in one launch
+against ~169 us for the 45 per-op launches: each phase costs 3-6 us, about what a launch did,
+so what is left to win is fewer phases a layer, not cheaper boundaries.
 
 The arithmetic is the per-op verification's (`triton_projection._dot_slice`,
 `triton_conv_gates._conv_gates_node`, `triton_verify._parallel_tile`), so the logits equal the
@@ -150,31 +150,30 @@ def _chain_verify_kernel(
         grid_arrive(counter)
         phase += 1
 
-        # B: conv + gates, the deferred commit and the recurrence over the chain, per (head,
-        # V tile); the residual rows phase A summed are layer l-1's output
+        # B1: conv + gates per (node, head); the residual rows phase A summed are layer l-1's output
         grid_wait(counter, phase * programs, status)
         cache_l = cache + l * C * W
-        k_l, g_l = k_f + l * N * H * K, g_f + l * N * H
-        tiles = V // PBV
-        for unit in range(pid, H * tiles, programs):
-            h = unit // tiles
-            # each V tile of head h computes and stores the head's q, k, v, g, beta and conv
-            # inputs: the tiles on other programs store the same bits to the same addresses
-            # (same code, same inputs), and a program stores everything it reads back
-            for n in range(N):
-                _conv_gates_node(y_in, N_IN, cache_l + 1, W, index, conv_w + l * C * W, conv_b + l * C,
-                                 y_in + a_col, y_in + a_col + H, N_IN, neg_A + l * H, dt_bias + l * H,
-                                 q_s, k_l, v_s, g_l, beta_s, conv_in_f + l * N * C, C, scale,
-                                 n, h, H, K, V, W, BK, BV, BW, HAS_BIAS, NEG_EIGVAL, True)
-            tl.debug_barrier()    # the parallel form reads rows other threads of the program stored
-            _parallel_tile(q_s, k_l, v_s, g_l, beta_s, index, S + l * H * K * V,
-                           o_buf, delta_f + l * N * H * V, H * K * V, K * V, V, 1,
-                           pk + l * P * H * K, pd + l * P * H * V, pg + l * P * H, P, N,
-                           unit % tiles, h, H, K, V, 16, PBK, PBV, True, HAS_PENDING, "ieee")
+        for unit in range(pid, N * H, programs):
+            _conv_gates_node(y_in, N_IN, cache_l + 1, W, index, conv_w + l * C * W, conv_b + l * C,
+                             y_in + a_col, y_in + a_col + H, N_IN, neg_A + l * H, dt_bias + l * H,
+                             q_s, k_f + l * N * H * K, v_s, g_f + l * N * H, beta_s, conv_in_f + l * N * C, C, scale,
+                             unit // H, unit % H, H, K, V, W, BK, BV, BW, HAS_BIAS, NEG_EIGVAL, True)
         if l > 0:
             slot = tl.load(feat_slot + l - 1)
             if slot >= 0:
                 _copy_rows(res_a, features + slot * D, F * D, N, pid, programs, D, BD)
+        _stamp(times, phase, pid, programs, TIMED)
+        grid_arrive(counter)
+        phase += 1
+
+        # B2: the deferred commit and the recurrence over the chain, per (head, V tile)
+        grid_wait(counter, phase * programs, status)
+        tiles = V // PBV
+        for unit in range(pid, H * tiles, programs):
+            _parallel_tile(q_s, k_f + l * N * H * K, v_s, g_f + l * N * H, beta_s, index, S + l * H * K * V,
+                           o_buf, delta_f + l * N * H * V, H * K * V, K * V, V, 1,
+                           pk + l * P * H * K, pd + l * P * H * V, pg + l * P * H, P, N,
+                           unit % tiles, unit // tiles, H, K, V, 16, PBK, PBV, True, HAS_PENDING, "ieee")
         _stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1
@@ -294,7 +293,7 @@ class PersistentChainVerify:
         self.block_counters = torch.zeros(triton.cdiv(D, 16), device=dev, dtype=torch.int32)
         self.dot = _dot_mode(self.dtype)
         self.launch = dict(num_warps=num_warps, num_stages=num_stages)
-        self.times = torch.zeros(5 * L + 2, self.programs, device=dev, dtype=torch.int64) if timed else None
+        self.times = torch.zeros(6 * L + 2, self.programs, device=dev, dtype=torch.int64) if timed else None
 
     def __call__(self, tokens: torch.Tensor, root: torch.Tensor, cache: torch.Tensor, S: torch.Tensor,
                  pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, logits: torch.Tensor,

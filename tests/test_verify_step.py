@@ -107,7 +107,7 @@ def test_chain_verify_rejects_bad_input():
 def test_chain_verify_interpreter():
     """One program through Triton's CPU interpreter: every phase's arithmetic against the
     reference and the barriers' bookkeeping over two calls."""
-    assert run_interpreted(__file__).count("ok ") == 5
+    assert run_interpreted(__file__).count("ok ") == 4
 
 
 def check_packed_target(dtype, deferred: bool) -> list[str]:
@@ -138,12 +138,6 @@ if __name__ == "__main__":
                                       bias=dtype == torch.float32, neg_eigval=dtype == torch.bfloat16, programs=1)
         print(("FAIL " if problems else "ok ") + str(dtype) + " " + "; ".join(problems))
         failed += bool(problems)
-    # two V tiles a head: each tile's unit computes the head's conv and gates itself
-    L, D, H, K, V, W, I, vocab = SHAPES["tiny"]
-    problems = check_chain_verify(L, D, H, K, 2 * V, W, I, vocab, torch.float32, "cpu", nodes=6, features=(1,),
-                                  programs=1)
-    print(("FAIL " if problems else "ok ") + "two V tiles a head " + "; ".join(problems))
-    failed += bool(problems)
     for deferred in (True, False):
         problems = check_packed_target(torch.float32, deferred)
         print(("FAIL " if problems else "ok ") + f"packed target, deferred={deferred} " + "; ".join(problems))
