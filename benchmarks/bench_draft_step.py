@@ -34,7 +34,7 @@ def parse_variant(text: str) -> tuple[int, dict[str, int]]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--variants", default="4,8,4:BH=64,4:BN_HEAD=64,4:BN=64")
+    p.add_argument("--variants", default="8,4,8:BH=64,8:BN_HEAD=64")
     p.add_argument("--accepted", type=int, default=3, help="path rows appended each call")
     args = p.parse_args(argv)
     runtime = runner.load_runtime(device="cuda")

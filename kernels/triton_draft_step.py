@@ -494,7 +494,7 @@ class PersistentBlockDraft:
     `blocks` overrides tiles (benchmarks)."""
 
     def __init__(self, weights: BlockDraftWeights, heads: int, window: int, block: int, slots: int, top_k: int,
-                 eps: float, target_eps: float, programs: int | None = None, num_warps: int = 4,
+                 eps: float, target_eps: float, programs: int | None = None, num_warps: int = 8,
                  blocks: dict[str, int] | None = None):
         wt, dev = weights, weights.fc.device
         LD, three_wd, WD = wt.w_qkv.shape

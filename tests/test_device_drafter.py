@@ -426,6 +426,16 @@ def test_compiled_device_drafter_graphed_equals_graphed_ar(kind):
 
 @needs_cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_persistent_draft_decoder_equals_torch_path(kind):
+    """The draft as one persistent launch (kernels/triton_draft_step.py) inside the step graph:
+    (fp32) exactly AR, and the same accept lengths as the torch path's drafts."""
+    dev = _decoders_agree(kind, "persistent")
+    assert dev.kernel is not None and dev.draft_note == "one persistent launch"
+
+
+@needs_cuda
+@pytest.mark.gpu
 def test_fused_head_decoder_equals_torch_head():
     """The LiLiCorr head as Triton kernels inside the step graph: (fp32, tf32x3 products) the
     same chains as the torch head."""
