@@ -23,7 +23,8 @@ every program recomputing the small row vectors it needs (a norm over a 256-wide
        qkv  (l > 0 at the top of the layer) the next layer's block queries, keys, values
     out    final norm (the slot hiddens) + out_proj to the target width
     head   the target's final norm + its LM head over the slots
-    top-k  per slot: log-softmax and the top-k candidates
+    top-k  per slot: log-softmax and the top-k candidates; for a greedy chain, the chain
+           itself and its row of the step log
 
 A unit's weight tile is loaded before it waits at its phase's barrier. Partials are summed
 in a fixed order, so a draft's bits do not depend on which program finished first. Row
@@ -34,6 +35,7 @@ differ by the order of fp32 sums only. The block's rows and the path's rows are 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 import triton
@@ -343,15 +345,39 @@ def _head_unit(y_buf, final_norm, lm_head, logits, blk, first, sync, eps, VOCAB,
 
 
 @triton.jit
+def _chain_out(cand, cand_logp, r, slots, chain, n_chain, step, log_cand, log_cand_logp, log_draft_logp, log_steps,
+               log_nodes, logp_scale, TOPK: tl.constexpr, BK: tl.constexpr, BNODES: tl.constexpr):
+    """(greedy chains) Slot r's top-1 as draft node r + 1 of `chain`, and the step log's row:
+    the slot's candidates and the node's log-prob (times logp_scale), as the drafter's torch
+    ops write them."""
+    tl.debug_barrier()      # cand rows were stored by other threads of this program
+    row = tl.minimum(tl.load(step), log_steps - 1)
+    o_k = tl.arange(0, BK)
+    k_ok = o_k < TOPK
+    tl.store(log_cand + (row * slots + r) * TOPK + o_k, tl.load(cand + r * TOPK + o_k, mask=k_ok), mask=k_ok)
+    tl.store(log_cand_logp + (row * slots + r) * TOPK + o_k, tl.load(cand_logp + r * TOPK + o_k, mask=k_ok),
+             mask=k_ok)
+    if r < n_chain:
+        tl.store(chain + 1 + r, tl.load(cand + r * TOPK))
+        tl.store(log_draft_logp + row * log_nodes + 1 + r, tl.load(cand_logp + r * TOPK) * logp_scale)
+    if r == 0:      # the root's log-prob and the padding past the chain
+        j = tl.arange(0, BNODES)
+        tl.store(log_draft_logp + row * log_nodes + j, tl.zeros([BNODES], dtype=tl.float32),
+                 mask=((j == 0) | (j > n_chain)) & (j < log_nodes))
+
+
+@triton.jit
 def _block_draft_kernel(
         root, result, P, features, fc, ctx_norm, in_proj, mask_emb, attn_norm, w_qkv, qk_norm, w_o, mlp_norm,
         w_gate_up, w_down, norm, out_proj, embed, final_norm, lm_head, rope_cos, rope_sin,
         ctx, valid, kv, ctx_next, valid_next, kv_next, fc_out, x_a, x_b, qkv, part_o, part_d, y_buf,
         h_out, logits, cand, cand_logp, counter, status, slots, VOCAB, eps, target_eps, scale,
+        chain, n_chain, step, log_cand, log_cand_logp, log_draft_logp, log_steps, log_nodes, logp_scale,
         D: tl.constexpr, FD: tl.constexpr, WD: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr,
         LD: tl.constexpr, MH: tl.constexpr, W: tl.constexpr, B: tl.constexpr, TOPK: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr,
-        BH: tl.constexpr, BN_HEAD: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr):
+        BH: tl.constexpr, BN_HEAD: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, CHAIN: tl.constexpr,
+        BK_TOP: tl.constexpr, BNODES: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     dtype = fc.dtype.element_ty
@@ -455,6 +481,9 @@ def _block_draft_kernel(
     grid_wait(counter, phase * programs, status)
     for r in range(pid, slots, programs):
         _slot_topk(logits, cand, cand_logp, r, VOCAB, TOPK, BV)
+        if CHAIN:
+            _chain_out(cand, cand_logp, r, slots, chain, n_chain, step, log_cand, log_cand_logp, log_draft_logp,
+                       log_steps, log_nodes, logp_scale, TOPK, BK_TOP, BNODES)
     # the last arrival re-arms the counter: every program has left every wait by then
     last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if last == (phase + 1) * programs - 1:
@@ -485,6 +514,19 @@ def rope_tables(positions: int, head_dim: int, device: torch.device,
     inv = base ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
     ang = torch.arange(positions, device=device, dtype=torch.float32)[:, None] * inv
     return ang.cos().contiguous(), ang.sin().contiguous()
+
+
+class ChainOut(NamedTuple):
+    """Where a greedy chain goes: tokens [drafted + 1] (node 0, the root, not written), and
+    the step log's row `step` (clamped to the last): cand / cand_logp [steps, slots, k] and
+    draft_logp [steps, nodes] (the nodes' log-probs times logp_scale, 0 past the chain)."""
+    tokens: torch.Tensor
+    drafted: int
+    step: torch.Tensor
+    cand: torch.Tensor
+    cand_logp: torch.Tensor
+    draft_logp: torch.Tensor
+    logp_scale: float = 1.0
 
 
 class PersistentBlockDraft:
@@ -538,12 +580,13 @@ class PersistentBlockDraft:
 
     def __call__(self, root: torch.Tensor, result: torch.Tensor, features: torch.Tensor | None, ctx: torch.Tensor,
                  valid: torch.Tensor, kv: torch.Tensor, h: torch.Tensor, logits: torch.Tensor, cand: torch.Tensor,
-                 cand_logp: torch.Tensor) -> None:
+                 cand_logp: torch.Tensor, chain: ChainOut | None = None) -> None:
         """Append the accepted path (result: a, end, bonus, path... as the speculative step
         writes it; a = -1 appends nothing) of `features` [nodes, F, D] to the window ctx
         [W, WD], valid [W] (bool) and kv [LD, 2, W, WD] (raw keys, values), then draft after
         `root` [1]: slot hiddens h [block-1, WD], fp32 logits [block-1, vocab], and the first
-        `slots` slots' top-k cand [slots, k] (int64) and cand_logp [slots, k] (fp32)."""
+        `slots` slots' top-k cand [slots, k] (int64) and cand_logp [slots, k] (fp32). With
+        `chain`, the greedy chain of the slots' top-1 and its step-log row are written too."""
         w, dev = self.widths, self.device
         S, k = self.slots, self.top_k
         expected = {"ctx": (ctx, (w["W"], w["WD"])), "valid": (valid, (w["W"],)),
@@ -563,6 +606,7 @@ class PersistentBlockDraft:
             features = ctx          # not read: a result with a = -1 appends nothing
         elif tuple(features.shape[1:]) != (w["F"], w["D"]) or not features.is_contiguous():
             raise ValueError(f"block draft: features must be contiguous [nodes, {w['F']}, {w['D']}]")
+        chain_args = self._chain_args(chain, cand)
         wt, b = self.weights, self.blocks
         _block_draft_kernel[(self.programs,)](
             root, result, P, features, wt.fc, wt.ctx_norm, wt.in_proj, wt.mask_emb, wt.attn_norm, wt.w_qkv,
@@ -570,11 +614,29 @@ class PersistentBlockDraft:
             wt.final_norm, wt.lm_head, self.rope_cos, self.rope_sin, ctx, valid.view(torch.uint8), kv,
             self.ctx_next, self.valid_next, self.kv_next, self.fc_out, self.x_a, self.x_b, self.qkv, self.part_o,
             self.part_d, self.y, h, logits, cand, cand_logp, self.counter, self.status, S, self.vocab,
-            self.eps, self.target_eps, w["HD"] ** -0.5,
+            self.eps, self.target_eps, w["HD"] ** -0.5, *chain_args,
             D=w["D"], FD=w["F"] * w["D"], WD=w["WD"], NH=w["NH"], HD=w["HD"], LD=w["LD"], MH=w["MH"], W=w["W"],
             B=w["B"], TOPK=k, BM=MAX_ROWS, BN=b["BN"], BK=b["BK"], BD=triton.next_power_of_2(w["D"]),
             BW=max(16, triton.next_power_of_2(w["W"])), BH=b["BH"], BN_HEAD=b["BN_HEAD"],
-            BV=triton.next_power_of_2(self.vocab), DOT=self.dot, num_warps=self.num_warps)
+            BV=triton.next_power_of_2(self.vocab), DOT=self.dot, CHAIN=chain is not None,
+            BK_TOP=triton.next_power_of_2(k), BNODES=triton.next_power_of_2(chain_args[-2]), num_warps=self.num_warps)
+
+    def _chain_args(self, chain: ChainOut | None, cand: torch.Tensor) -> tuple:
+        """The kernel's chain arguments (placeholders without a chain), checked."""
+        if chain is None:
+            return (cand, 0, cand, cand, cand, cand, 1, 1, 0.0)
+        S, k = self.slots, self.top_k
+        steps, nodes = chain.draft_logp.shape
+        if not 1 <= chain.drafted <= S or chain.tokens.numel() != chain.drafted + 1 or nodes <= chain.drafted:
+            raise ValueError(f"block draft: a chain of {chain.drafted} drafted tokens from {S} slots into "
+                             f"{chain.tokens.numel()} tokens and log rows of {nodes}")
+        if tuple(chain.cand.shape) != (steps, S, k) or tuple(chain.cand_logp.shape) != (steps, S, k):
+            raise ValueError(f"block draft: the candidate logs must be [{steps}, {S}, {k}]")
+        for t in (chain.tokens, chain.cand, chain.cand_logp, chain.draft_logp):
+            if not t.is_contiguous() or t.device != self.device:
+                raise ValueError("block draft: the chain's buffers must be contiguous on the kernel's device")
+        return (chain.tokens, chain.drafted, chain.step, chain.cand, chain.cand_logp, chain.draft_logp, steps, nodes,
+                chain.logp_scale)
 
     def failed(self) -> bool:
         """Whether a barrier gave up waiting since this draft was made (reads the device)."""

@@ -55,20 +55,34 @@ def check_block_draft(dtype, device, programs: int | None = None, steps: int = 6
     S, k = dev.slots, dev.top_k
     h, logits = torch.zeros(BLOCK - 1, c.width, device=device, dtype=dtype), torch.zeros(BLOCK - 1, VOCAB, device=device)
     cand, cand_logp = torch.zeros(S, k, dtype=torch.long, device=device), torch.zeros(S, k, device=device)
+    # the greedy chain and its step-log row, written by the kernel into a log of 3 rows
+    from kernels.triton_draft_step import ChainOut
+    log_rows, nodes, drafted = 3, BLOCK + 2, S - 1
+    chain = ChainOut(torch.full((drafted + 1,), -7, device=device), drafted, torch.zeros(1, dtype=torch.long, device=device),
+                     torch.zeros(log_rows, S, k, dtype=torch.long, device=device), torch.zeros(log_rows, S, k, device=device),
+                     torch.full((log_rows, nodes), 9.0, device=device), 0.5)
     tol = 2e-4 if dtype == torch.float32 else 3e-2
     rng, problems = random.Random(seed), []
     for step in range(steps):
-        nodes = BLOCK
-        a = -1 if step == 0 else rng.randrange(nodes)
-        path = rng.sample(range(nodes), nodes)
+        a = -1 if step == 0 else rng.randrange(BLOCK)
+        path = rng.sample(range(BLOCK), BLOCK)
         result = torch.tensor([a, 0, 0] + path, device=device)
-        features = feats(nodes)
+        features = feats(BLOCK)
         root = torch.tensor([rng.randrange(VOCAB)], device=device)
         if a >= 0:
             dev.observe_rows(result, features)
         want_h, want_logits = dev.slot_logits(root)
         want_cand, want_logp = candidates(want_logits[0], k)
-        kernel(root, result, features if a >= 0 else None, *window, h, logits, cand, cand_logp)
+        chain.step.fill_(step + 1)                   # past the log's last row: clamped to it
+        kernel(root, result, features if a >= 0 else None, *window, h, logits, cand, cand_logp, chain)
+        row = min(step + 1, log_rows - 1)
+        want_row = torch.zeros(nodes, device=device)
+        want_row[1:drafted + 1] = cand_logp[:drafted, 0] * 0.5
+        if not (torch.equal(chain.tokens[1:], cand[:drafted, 0]) and torch.equal(chain.cand[row], cand)
+                and torch.equal(chain.cand_logp[row], cand_logp) and torch.equal(chain.draft_logp[row], want_row)):
+            problems.append(f"step {step}: the chain or its log row is not the top-1s and their log-probs")
+        if int(chain.tokens[0]) != -7:
+            problems.append(f"step {step}: the chain's root was written")
         checks = {"slot logits": (logits[:S], want_logits[0]), "slot hiddens": (h[:S], want_h[0]),
                   "top-k log-probs": (cand_logp, want_logp), "window rows": (window[0], dev.ctx),
                   "window keys and values": (window[2], dev.kv_stack)}

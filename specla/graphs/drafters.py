@@ -139,6 +139,9 @@ class DeviceBlockDrafter(_DeviceDrafter):
         # observe + block pass + the slots' top-k as one launch where it applies (`draft_step`)
         self.no_path = torch.tensor([-1, 0, 0], device=dev)      # a result that appends nothing
         self.kernel, self.draft_note = block_draft_for(self, persistent)
+        # the block drafter's greedy chain (its top-1s) and its log row, written by the kernel too
+        self.kernel_chain = (self.kernel is not None and self.shape == "chain" and self.prune_tau is None
+                             and not self.lilicorr and not self.samples_chains)
         if self.kernel is not None:
             self.k_h = torch.zeros(c.block_size - 1, c.width, device=dev, dtype=w.dtype)
             self.k_logits = torch.zeros(c.block_size - 1, self.parts.vocab_size, device=dev)
@@ -334,14 +337,28 @@ class DeviceBlockDrafter(_DeviceDrafter):
         if self.kernel is None:
             super().draft(spec)
             return
-        self.propose_from(spec, self.kernel_scores(spec.state.root, spec.result, spec.features))
+        self.kernel_draft(spec, spec.result, spec.features)
 
     @torch.no_grad()
     def propose(self, spec: GraphedSpec) -> None:
         """Draft the next step after the spec's root into `spec.tokens` (and its topology)."""
-        root = spec.state.root
-        scores = self.scores(root) if self.kernel is None else self.kernel_scores(root, self.no_path, None)
-        self.propose_from(spec, scores)
+        if self.kernel is None:
+            self.propose_from(spec, self.scores(spec.state.root))
+        else:
+            self.kernel_draft(spec, self.no_path, None)
+
+    @torch.no_grad()
+    def kernel_draft(self, spec: GraphedSpec, result: torch.Tensor, features: torch.Tensor | None) -> None:
+        """Observe `result`'s path and draft with the persistent kernel (a greedy chain and its
+        log row in the same launch; anything else from its scores)."""
+        if not self.kernel_chain:
+            self.propose_from(spec, self.kernel_scores(spec.state.root, result, features))
+            return
+        from kernels.triton_draft_step import ChainOut
+        chain = ChainOut(spec.tokens[0], self.nodes - 1, spec.state.step, self.log["cand"], self.log["cand_logp"],
+                         spec.state.log.draft_logp, 0.0 if self.single_candidate else 1.0)
+        self.kernel(spec.state.root, result, features, self.ctx, self.valid, self.kv_stack, self.k_h, self.k_logits,
+                    self.k_cand, self.k_cand_logp, chain)
 
     @torch.no_grad()
     def propose_from(self, spec: GraphedSpec, scores: dict[str, torch.Tensor]) -> None:
