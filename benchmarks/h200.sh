@@ -6,6 +6,7 @@
 # Stages: tests (pytest -m gpu), kernel-tests (tests/test_kernels.py on the GPU), runtime, kernels, e2e, e2e-quick,
 # whole-step (the persistent AR step's GPU tests, launch counts and speed, the barrier's cost),
 # chain-verify (the persistent chain verification's GPU tests, launch counts and speed, engine exactness),
+# draft-step (the same for the persistent block draft),
 # app (benchmarks/app_vs_bench.py: the real app over HTTP against the bench's rows; options in APP_ARGS,
 # cases named without spaces, e.g. --cases block_chain,lilicorr_best-first_16), launch-counts (kernels per step body),
 # projection-sweep (benchmarks/bench_kernels.py --only projection), gemv (--only gemv), parallel (--only parallel,pdl), ops-compare (fla against the fused projections,
@@ -90,6 +91,19 @@ for stage in "$@"; do
         "graphed_ar_equals_eager or graphed_spec_with_fused or (graphed_spec_equals_ar_fp32 and cuda) or bf16_diverges" \
         > "$R/gpu_tests_runtime.txt" 2>&1
       tail -2 "$R/gpu_tests_runtime.txt" ;;
+    draft-step) # the persistent block draft (issue #15): its GPU tests against the torch path, its time per
+      # call, launches and speed against the torch-ops draft on held-out prompts, and the engine's exactness with it
+      timeout "${T_DRAFT_TESTS:-150}" python3 -m pytest -v -p no:cacheprovider tests/test_draft_step.py \
+        -k "not interpreter" > "$R/gpu_tests_draft.txt" 2>&1
+      tail -2 "$R/gpu_tests_draft.txt"
+      timeout "${T_DRAFT_BENCH:-120}" python3 benchmarks/bench_draft_step.py --out "$R/ds" 2>&1 | tail -6
+      timeout "${T_DRAFT_SPEED:-260}" python3 benchmarks/launch_counts.py --out "$R/lc_draft" \
+        --ops fused+nodraft,fused --speed-prompts data/corpus/heldout_prompts.jsonl --speed-limit 3 \
+        --tokens 128 2>&1 | tee "$R/log_lc_draft.txt"
+      timeout "${T_DRAFT_ENGINE:-240}" python3 -m pytest -v -p no:cacheprovider tests/test_device_drafter.py \
+        tests/test_gpu_runtime.py -m gpu -k "persistent_draft or trained_pair or fp32_equals_graphed_ar_and_eager \
+        or (graphed_spec_equals_ar_fp32 and cuda)" > "$R/gpu_tests_engine.txt" 2>&1
+      tail -2 "$R/gpu_tests_engine.txt" ;;
     speedup) # the model-free drafter beside the trained ones, on both prompt sets (needs data/corpus/*_prompts.jsonl)
       timeout "${T_SPEEDUP:-240}" python3 benchmarks/run_acceptance.py --speedup --device cuda --limit 8 \
         --max-new-tokens 128 --out "$R" --name speedup_h200 --rows ${SPEEDUP_ROWS:-ngram:chain:1:8:depth=8 \
