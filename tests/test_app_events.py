@@ -847,3 +847,7 @@ def test_the_engine_line_names_how_chains_were_verified():
     assert "fused projections; a chain&#x27;s verification as one persistent launch (132 programs)" in line
     del trace["engine"]["verification"]
     assert "persistent" not in Explorer.engine_md(trace)
+    trace["engine"]["drafting_kernel"] = "one persistent launch"
+    assert "drafting on the device (one persistent launch)" in Explorer.engine_md(trace)
+    trace["engine"]["drafting"] = "host"          # a host drafter's note is not the device kernel's
+    assert "persistent" not in Explorer.engine_md(trace)

@@ -82,6 +82,9 @@ def test_graphed_backend_equals_eager_fp32(cpu_pair, kind, shape, deferred):
     assert plan.drafting == "device", plan
     # the last decode's verification path, as the app shows it: per-op launches on a CPU
     assert graphed.verification_note().startswith("per-op "), graphed.verification_note()
+    # and its drafting path: the persistent draft needs CUDA
+    if kind in ("block", "lilicorr"):
+        assert "it needs a CUDA device" in graphed.drafting_note(), graphed.drafting_note()
 
 
 def test_graphed_state_equals_a_replay(cpu_pair):
