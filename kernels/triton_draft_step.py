@@ -110,6 +110,15 @@ def _wait_first(first, sync):
 
 
 @triton.jit
+def _end_phase(pid, units, counter, target, status):
+    """Arrive at the barrier after a phase of `units` units. A program that had none waits
+    first: else its arrival could count for a phase other programs have not finished."""
+    if pid >= units:
+        grid_wait(counter, target, status)
+    grid_arrive(counter)
+
+
+@triton.jit
 def _shift_rows(src, dst, a, W, stride, cols, c_ok, BW: tl.constexpr):
     """dst rows j = src rows j + a + 1 (the window's oldest a + 1 rows drop out)."""
     j = tl.arange(0, BW)
@@ -406,9 +415,7 @@ def _block_draft_kernel(
             u = unit - kv_units - 1
             _block_qkv_unit(x_a, part_d, 0, x_a, False, attn_norm, w_qkv, qk_norm, rope_cos, rope_sin, qkv,
                             0, u // NH, u % NH, unit == pid, sync, eps, dtype, WD, HD, W, B, BM, DOT)
-    if pid >= units:
-        grid_wait(counter, programs, status)
-    grid_arrive(counter)
+    _end_phase(pid, units, counter, programs, status)
 
     phase = 2
     for l in range(LD):
@@ -418,9 +425,7 @@ def _block_draft_kernel(
                 _block_qkv_unit(x_b, part_d, MLP_UNITS, x_a, unit == 0, attn_norm, w_qkv, qk_norm, rope_cos,
                                 rope_sin, qkv, l, unit // NH, unit % NH, unit == pid, sync, eps, dtype, WD, HD,
                                 W, B, BM, DOT)
-            if pid >= 3 * NH:
-                grid_wait(counter, phase * programs, status)
-            grid_arrive(counter)
+            _end_phase(pid, 3 * NH, counter, phase * programs, status)
             phase += 1
 
         # attention per head; (l = 0) the new window copied back over the old
@@ -440,9 +445,7 @@ def _block_draft_kernel(
                     _shift_rows(ctx_next, ctx, -1, W, WD, cols, cols < WD, BW)
                     j = tl.arange(0, BW)
                     tl.store(valid + j, tl.load(valid_next + j, mask=j < W, cache_modifier=".cg"), mask=j < W)
-        if pid >= NH + copies:
-            grid_wait(counter, phase * programs, status)
-        grid_arrive(counter)
+        _end_phase(pid, NH + copies, counter, phase * programs, status)
         phase += 1
 
         # MLP per hidden slice: the stream x_a + attention partials, kept in x_b
@@ -450,9 +453,7 @@ def _block_draft_kernel(
         for unit in range(pid, MLP_UNITS, programs):
             _mlp_unit(x_a, part_o, NH, x_b, unit == 0, mlp_norm, w_gate_up, w_down, part_d, l, unit, unit == pid,
                       sync, eps, dtype, WD, MH, B, BM, BH, DOT)
-        if pid >= MLP_UNITS:
-            grid_wait(counter, phase * programs, status)
-        grid_arrive(counter)
+        _end_phase(pid, MLP_UNITS, counter, phase * programs, status)
         phase += 1
 
     # out: final norm + out_proj
@@ -461,9 +462,7 @@ def _block_draft_kernel(
     for unit in range(pid, out_units, programs):
         _out_unit(x_b, part_d, MLP_UNITS, norm, out_proj, h_out, y_buf, unit, unit == pid, sync, eps, dtype, WD, D,
                   B, BM, BN, DOT)
-    if pid >= out_units:
-        grid_wait(counter, phase * programs, status)
-    grid_arrive(counter)
+    _end_phase(pid, out_units, counter, phase * programs, status)
     phase += 1
 
     # head: the target's norm + LM head
@@ -472,9 +471,7 @@ def _block_draft_kernel(
     for unit in range(pid, head_units, programs):
         _head_unit(y_buf, final_norm, lm_head, logits, unit, unit == pid, sync, target_eps, VOCAB, dtype, D, B,
                    BM, BN_HEAD, BD, DOT)
-    if pid >= head_units:
-        grid_wait(counter, phase * programs, status)
-    grid_arrive(counter)
+    _end_phase(pid, head_units, counter, phase * programs, status)
     phase += 1
 
     # top-k per slot
