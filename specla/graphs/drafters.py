@@ -84,7 +84,10 @@ class DeviceBlockDrafter(_DeviceDrafter):
     head and walk, and the block drafter's top-k, as Triton kernels (None: wherever
     `kernels.triton_lilicorr.unsupported` allows, i.e. on CUDA for a supported head shape;
     True: the same, or an error saying why not; False: torch ops). compile: `torch.compile`
-    the draft's torch ops.
+    the draft's torch ops. persistent: observe + block pass + top-k (and a greedy block chain
+    with its log row) as one persistent Triton launch (None: where `draft_step.block_draft_for`
+    finds that it applies and agrees with the torch ops; True: the same, or an error saying
+    why not; False: torch ops); `draft_note` says which.
     """
 
     def __init__(self, drafter: BlockDrafter, settings: DraftSettings, compile: bool = False,
