@@ -6,7 +6,7 @@
 # Stages: tests (pytest -m gpu), kernel-tests (tests/test_kernels.py on the GPU), runtime, kernels, e2e, e2e-quick,
 # whole-step (the persistent AR step's GPU tests, launch counts and speed, the barrier's cost),
 # chain-verify (the persistent chain verification's GPU tests, launch counts and speed, engine exactness),
-# draft-step (the same for the persistent block draft),
+# draft-step (the same for the persistent block draft), chain-accept (the same for acceptance in the verification's launch),
 # app (benchmarks/app_vs_bench.py: the real app over HTTP against the bench's rows; options in APP_ARGS,
 # cases named without spaces, e.g. --cases block_chain,lilicorr_best-first_16), launch-counts (kernels per step body),
 # projection-sweep (benchmarks/bench_kernels.py --only projection), gemv (--only gemv), parallel (--only parallel,pdl), ops-compare (fla against the fused projections,
@@ -103,6 +103,19 @@ for stage in "$@"; do
       timeout "${T_DRAFT_ENGINE:-240}" python3 -m pytest -v -p no:cacheprovider tests/test_device_drafter.py \
         tests/test_gpu_runtime.py -m gpu -k "persistent_draft or trained_pair or fp32_equals_graphed_ar_and_eager \
         or (graphed_spec_equals_ar_fp32 and cuda)" > "$R/gpu_tests_engine.txt" 2>&1
+      tail -2 "$R/gpu_tests_engine.txt" ;;
+    chain-accept) # greedy acceptance inside the chain verification's launch (issue #15): its GPU tests against the
+      # torch acceptance, launches and speed against acceptance as torch ops, and the engine's exactness with it
+      timeout "${T_ACCEPT_TESTS:-200}" python3 -m pytest -v -p no:cacheprovider tests/test_chain_accept.py \
+        tests/test_verify_step.py -k "not interpreter" > "$R/gpu_tests_accept.txt" 2>&1
+      tail -2 "$R/gpu_tests_accept.txt"
+      timeout "${T_ACCEPT_SPEED:-260}" python3 benchmarks/launch_counts.py --out "$R/lc_accept" \
+        --ops fused+noaccept,fused --speed-prompts data/corpus/heldout_prompts.jsonl --speed-limit 3 \
+        --tokens 128 2>&1 | tee "$R/log_lc_accept.txt"
+      timeout "${T_ACCEPT_ENGINE:-300}" python3 -m pytest -v -p no:cacheprovider tests/test_device_drafter.py \
+        tests/test_gpu_runtime.py -m gpu -k "persistent_draft or trained_pair or fp32_equals_graphed_ar_and_eager \
+        or (graphed_spec_equals_ar_fp32 and cuda) or (oracle_realignment and cuda) or bf16_diverges" \
+        > "$R/gpu_tests_engine.txt" 2>&1
       tail -2 "$R/gpu_tests_engine.txt" ;;
     speedup) # the model-free drafter beside the trained ones, on both prompt sets (needs data/corpus/*_prompts.jsonl)
       timeout "${T_SPEEDUP:-240}" python3 benchmarks/run_acceptance.py --speedup --device cuda --limit 8 \

@@ -92,7 +92,7 @@ def count_bodies(runtime, ops: str, args) -> tuple[dict, Engine]:
         dec = engine.decoder(drafter, settings, draft)
         # a host drafter's decoder keeps one captured step per draft size: count the largest
         spec = dec.spec if dec.on_device else max(dec.specs.values(), key=lambda sp: sp.tokens.shape[-1])
-    variant = {"ops": engine.ops_note, "verify": spec.verify_note,
+    variant = {"ops": engine.ops_note, "verify": spec.verify_note, "accept_in_verify": spec.kernel_accept,
                "draft": getattr(spec.drafter, "draft_note", None), "dtype": str(engine.dtype).replace("torch.", ""),
                "bodies": {},
                "ar_ms_per_token": ar_wall_time(ar, snapshot, prompt[-1], settings.max_new_tokens)}
@@ -175,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(kernels/triton_decode_step.py), +whole runs it at any width, and +pN with N programs; "
                         "+noverify verifies chains with per-op launches, not one persistent launch "
                         "(kernels/triton_verify_step.py); +nodraft drafts a block drafter's block with torch "
-                        "ops, not one persistent launch (kernels/triton_draft_step.py)")
+                        "ops, not one persistent launch (kernels/triton_draft_step.py); +noaccept accepts a "
+                        "chain with torch ops after its verification, not in the same launch "
+                        "(kernels/triton_chain_accept.py)")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
     p.add_argument("--speed-limit", type=int, default=8)
     p.add_argument("--tokens", type=int, default=128)
@@ -204,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         whole_step.WHOLE_STEP_PROGRAMS = next((int(f[1:]) for f in flags if f[:1] == "p" and f[1:].isdigit()), None)
         whole_step.WHOLE_VERIFY = "noverify" not in flags
         draft_step.PERSISTENT_DRAFT = "nodraft" not in flags
+        whole_step.FUSED_ACCEPT = "noaccept" not in flags
         try:
             variant, engine = count_bodies(runtime, ops, args)
             variant["pdl"] = pdl.pdl_applies(runtime.device)
@@ -215,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             pdl.use_pdl(True)
             graph_ops.FUSED_STEP_MAX_STATE = step_max_state
             whole_step.WHOLE_STEP_MAX_HIDDEN, whole_step.WHOLE_STEP_PROGRAMS = whole_max_hidden, None
-            whole_step.WHOLE_VERIFY = draft_step.PERSISTENT_DRAFT = True
+            whole_step.WHOLE_VERIFY = draft_step.PERSISTENT_DRAFT = whole_step.FUSED_ACCEPT = True
         result["variants"][name] = variant
         (args.out / "launch_counts.json").write_text(json.dumps(result, indent=1))   # kept if a later set fails
     return 0

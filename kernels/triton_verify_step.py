@@ -39,6 +39,7 @@ import triton.language as tl
 
 from kernels.pdl import grid_arrive, grid_wait
 from kernels.reference import DecodeWeights
+from kernels.triton_chain_accept import ChainAccept, _accept_phase, _node_stats, accept_tiles
 from kernels.triton_conv_gates import _conv_gates_node
 from kernels.triton_decode_step import check_decode_weights, resident_programs
 from kernels.triton_projection import (_dot_mode, _dot_slice, _input_block, _row_rstd, _split_reduce,
@@ -112,13 +113,17 @@ def _chain_verify_kernel(
         logits, hidden, features, k_f, g_f, delta_f, conv_in_f,
         x_emb, res_a, res_b, x_buf, y_in, q_s, v_s, beta_s, o_buf, gu_buf, partials, block_counters, counter, status,
         times, N, eps, scale,
+        choice_s, lse_s, prob_s, pos, step, out, out_len, acc, acc_len, last, result, log_tokens, log_parents,
+        log_choice, log_prob, log_result, log_steps, log_nodes, cont, cont_len, div, gap,
         L: tl.constexpr, D: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
         W: tl.constexpr, I: tl.constexpr, VOCAB: tl.constexpr, F: tl.constexpr, HAS_BIAS: tl.constexpr,
         NEG_EIGVAL: tl.constexpr, SWISH: tl.constexpr, HAS_PENDING: tl.constexpr, DOT: tl.constexpr,
         BM: tl.constexpr, BN_IN: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr,
         BN_HEAD: tl.constexpr, BK_D: tl.constexpr, BK_O: tl.constexpr, BK_I: tl.constexpr, BD: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, PBK: tl.constexpr, PBV: tl.constexpr,
-        SPLIT_O: tl.constexpr, SPLIT_DOWN: tl.constexpr, TIMED: tl.constexpr):
+        SPLIT_O: tl.constexpr, SPLIT_DOWN: tl.constexpr, TIMED: tl.constexpr, ACCEPT: tl.constexpr,
+        ORACLE: tl.constexpr, BVOC: tl.constexpr, BNODES: tl.constexpr, BP: tl.constexpr, BC: tl.constexpr,
+        BHK: tl.constexpr, BHV: tl.constexpr, BH: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     dtype = w_in.dtype.element_ty
@@ -218,6 +223,21 @@ def _chain_verify_kernel(
             summed = _summed_input(src, row, ok, o_d, d_mask, True)
             tl.store(features + (r * F + last_slot) * D + o_d[None, :], summed.to(dtype), mask=d_mask[None, :])
     _stamp(times, phase, pid, programs, TIMED)
+    if ACCEPT:      # greedy acceptance (`triton_chain_accept.py`): two more phases
+        grid_arrive(counter)
+        phase += 1
+        grid_wait(counter, phase * programs, status)
+        for r in range(pid, N, programs):
+            _node_stats(logits, tokens, choice_s, lse_s, prob_s, r, N, VOCAB, BVOC)
+        _stamp(times, phase, pid, programs, TIMED)
+        grid_arrive(counter)
+        phase += 1
+        grid_wait(counter, phase * programs, status)
+        _accept_phase(tokens, logits, root, k_f, g_f, delta_f, conv_in_f, pk, pd, pg, cache, choice_s, prob_s, N,
+                      P, pos, step, out, out_len, acc, acc_len, last, result, log_tokens, log_parents, log_choice,
+                      log_prob, log_result, log_steps, log_nodes, cont, cont_len, div, gap, pid, programs, L, H, K,
+                      V, W, VOCAB, ORACLE, BNODES, BP, BC, BW, BHK, BHV, BH)
+        _stamp(times, phase, pid, programs, TIMED)
     # the last arrival re-arms the counter: every program has left every wait by then
     last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if last == (phase + 1) * programs - 1:
@@ -293,17 +313,23 @@ class PersistentChainVerify:
         self.block_counters = torch.zeros(triton.cdiv(D, 16), device=dev, dtype=torch.int32)
         self.dot = _dot_mode(self.dtype)
         self.launch = dict(num_warps=num_warps, num_stages=num_stages)
-        self.times = torch.zeros(6 * L + 2, self.programs, device=dev, dtype=torch.int64) if timed else None
+        self.times = torch.zeros(6 * L + 4, self.programs, device=dev, dtype=torch.int64) if timed else None
+        self.phases = 6 * L + 2             # the last call's (two more with acceptance)
 
     def __call__(self, tokens: torch.Tensor, root: torch.Tensor, cache: torch.Tensor, S: torch.Tensor,
                  pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, logits: torch.Tensor,
                  hidden: torch.Tensor, features: torch.Tensor | None,
-                 factors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+                 factors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                 accept: ChainAccept | None = None) -> None:
         """Verify tokens [1, N] (int64; tokens[0, 0] is overwritten with root [1]) from cache
         [L, 1, C, W] and S [L, 1, H, K, V] fp32, folding `pending` (k [L,1,P,H,K], delta
         [L,1,P,H,V], g [L,1,P,H] fp32) into S first. Writes logits [N, vocab] fp32, hidden
         [N, D], features [N, F, D] (if feature layers were given) and the factors (k, g,
-        delta, conv_in: [L,1,N,H,K], [L,1,N,H], [L,1,N,H,V] fp32, [L,1,N,C])."""
+        delta, conv_in: [L,1,N,H,K], [L,1,N,H], [L,1,N,H,V] fp32, [L,1,N,C]).
+
+        With `accept`, the same launch then accepts greedily: the accepted path's factors
+        become the pending commit (which must be given), the conv cache shifts, `root`
+        becomes the bonus token, and `accept`'s counters, output and step log advance."""
         s, n = self.shape, self.nodes
         k_f, g_f, delta_f, conv_in_f = factors
         L, H, K, V, D = s["L"], s["H"], s["K"], s["V"], s["D"]
@@ -325,6 +351,13 @@ class PersistentChainVerify:
                 if tuple(t.shape) != want or t.dtype != torch.float32 or not t.is_contiguous():
                     raise ValueError(f"chain verify: pending factors must be contiguous fp32 {want}")
         pk, pd, pg = pending if pending is not None else (k_f, delta_f, g_f)
+        if accept is not None:
+            if pending is None:
+                raise ValueError("chain verify: acceptance in the launch defers its commit: give the pending buffers")
+            accept.check(n, pk.shape[2])
+        tiles = accept_tiles(n, pk.shape[2], H, K, V, s["VOCAB"])
+        accept_args = accept.args() if accept is not None else ChainAccept.unused(self.counter)
+        self.phases = 6 * L + 2 + (2 if accept is not None else 0)
         wt = self.weights
         _chain_verify_kernel[(self.programs,)](
             tokens, root, wt.embed, self.zeros, wt.attn_norm, wt.w_in, wt.conv_w,
@@ -335,14 +368,15 @@ class PersistentChainVerify:
             self.x_emb, self.res_a, self.res_b, self.x, self.y_in, self.q, self.v, self.beta, self.o,
             self.gate_up, self.partials, self.block_counters, self.counter, self.status,
             self.times if self.times is not None else self.counter,
-            n, self.eps, self.scale, **s, HAS_BIAS=wt.conv_b is not None, NEG_EIGVAL=self.neg_eigval,
+            n, self.eps, self.scale, *accept_args, **s, HAS_BIAS=wt.conv_b is not None, NEG_EIGVAL=self.neg_eigval,
             SWISH=self.swish, HAS_PENDING=pending is not None, DOT=self.dot, **self.blocks,
-            TIMED=self.times is not None, **self.launch)
+            TIMED=self.times is not None, ACCEPT=accept is not None,
+            ORACLE=accept is not None and accept.oracle is not None, **tiles, **self.launch)
 
     def phase_us(self) -> list[float]:
         """(timed) Each phase's time in the last call: the last program's end of it minus
         the last program's end of the phase before (the embeddings' is from the first end)."""
-        ends = self.times.max(dim=1).values.double()
+        ends = self.times[:self.phases].max(dim=1).values.double()
         starts = torch.cat([self.times.min().view(1).double(), ends[:-1]])
         return ((ends - starts) / 1e3).tolist()
 

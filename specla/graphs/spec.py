@@ -290,7 +290,9 @@ class GraphedSpec:
 
     Acceptance is greedy on the device, or, with `host_accept=True`, read from `result`
     where the host wrote it (lossless rejection sampling runs on the host between `verify`
-    and `accept`).
+    and `accept`). A chain verified in one persistent launch also accepts greedily in that
+    launch (deferred commit; `fused_accept=False`, or `whole_step.FUSED_ACCEPT = False`, keeps
+    the torch ops), and `accept` is empty.
 
     A `drafter` is any object with `draft(spec)`, which reads this step's `result` and
     `features` and writes the next step's `tokens[0, 1:]` with tensor ops only; its static
@@ -304,7 +306,7 @@ class GraphedSpec:
                  recurrence: str = "kernels", dynamic: bool = False, drafter=None,
                  host_accept: bool = False, whole_step: bool = False,
                  sampling: tuple[float, float] | None = None, compile: bool = False,
-                 persistent_verify: bool = True):
+                 persistent_verify: bool = True, fused_accept: bool | None = None):
         from specla.verify import resolve_mode
 
         if oracle is not None and drafter is not None:
@@ -325,6 +327,13 @@ class GraphedSpec:
         self.chain_verify, self.verify_note = None, f"per-op {self.mode} verification"
         if persistent_verify and self.mode == "chain" and recurrence == "kernels" and not self.dynamic:
             self.chain_verify, self.verify_note = rt.chain_verifier(n, self.feature_layers, deferred)
+        # greedy acceptance in the same launch (its commit deferred), unless the host or sampling accepts
+        if fused_accept is None:
+            from specla.graphs.whole_step import FUSED_ACCEPT as fused_accept
+        self.kernel_accept = (fused_accept and self.chain_verify is not None and sampling is None
+                              and not host_accept and deferred)
+        if self.kernel_accept:
+            self.verify_note += ", then greedy acceptance in the same launch"
         if n > state.log.nodes:
             raise ValueError(f"a draft of {n} nodes does not fit the step log ({state.log.nodes} nodes)")
         self.tokens = torch.tensor([tree.tokens], dtype=torch.long, device=dev)
@@ -338,11 +347,12 @@ class GraphedSpec:
         self.proposal = (torch.zeros(n, c.vocab_size, device=dev)
                          if sampling is not None and getattr(drafter, "samples_chains", False) else None)
         self._log_pad = torch.full((state.log.nodes - n,), -1, dtype=torch.long, device=dev)
+        self.chain_accept = self._chain_accept(oracle) if self.kernel_accept else None
         self.use_graph = dev.type == "cuda" if use_graph is None else use_graph
         # Greedy acceptance, the step log, the deferred commit and the bookkeeping are ~70 small
         # ops (0.17 ms in a graph on the H200): torch.compile fuses them, as it does the
         # drafter's. Index and compare ops only on the path that decides tokens: exact.
-        self.compiled = compile and sampling is None and not host_accept and deferred
+        self.compiled = compile and sampling is None and not host_accept and deferred and not self.kernel_accept
         self._accept = torch.compile(self.accept, dynamic=False) if self.compiled else self.accept
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self.capture_ms = 0.0
@@ -350,9 +360,22 @@ class GraphedSpec:
         if self.use_graph:
             drafts = oracle is not None or drafter is not None
             for phase in PHASES if drafts else PHASES[:2]:
-                self._capture(phase)
+                if not (phase == "accept" and self.kernel_accept):    # nothing left to capture
+                    self._capture(phase)
             if whole_step:
                 self._capture("step")
+
+    def _chain_accept(self, oracle: DeviceOracle | None):
+        """The buffers the verification's launch accepts into (`kernels/triton_chain_accept.py`)."""
+        from kernels.triton_chain_accept import ChainAccept
+
+        st, n, dev = self.state, self.topo.n, self.rt.device
+        log = st.log
+        return ChainAccept(choice=torch.zeros(n, dtype=torch.long, device=dev), lse=torch.zeros(n, device=dev),
+                           prob=torch.zeros(n, device=dev), pos=st.pos, step=st.step, out=st.out, acc=st.acc,
+                           last=st.last, result=self.result, log_tokens=log.tokens, log_parents=log.parents,
+                           log_choice=log.choice, log_prob=log.target_prob, log_result=log.result,
+                           oracle=(oracle.cont, st.div, st.gap) if oracle is not None else None)
 
     def _capture(self, phase: str) -> None:
         """Capture one phase; a compiled acceptance that fails to compile or capture falls
@@ -382,7 +405,7 @@ class GraphedSpec:
             f = self.factors
             self.chain_verify(self.tokens, st.root, st.cache.conv, st.cache.recurrent,
                               (st.pk, st.pd, st.pg) if self.deferred else None, self.logits, self.last_hidden,
-                              self.features, (f.k, f.g, f.delta, f.conv_in))
+                              self.features, (f.k, f.g, f.delta, f.conv_in), self.chain_accept)
             return
         self.tokens[0, :1].copy_(self.state.root)
         logits, hidden, feats = self.rt.tree_forward(self.tokens, self.state.cache, self.topo.conv_index,
@@ -394,7 +417,10 @@ class GraphedSpec:
 
     def accept(self) -> None:
         """Acceptance (greedy on the device, or the host's from `result`), then the commit
-        (now or deferred), the conv window, the bookkeeping and the step log."""
+        (now or deferred), the conv window, the bookkeeping and the step log; nothing where
+        the verification's launch already accepted."""
+        if self.kernel_accept:
+            return
         tok = self.tokens[0]
         probs = None
         if self.host_accept:

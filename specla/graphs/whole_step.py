@@ -23,6 +23,8 @@ WHOLE_STEP_MAX_HIDDEN = 1024
 WHOLE_STEP_PROGRAMS: int | None = None
 # Verify draft chains in one persistent launch wherever the whole AR step applies.
 WHOLE_VERIFY = True
+# ...and accept greedy chains in that launch too (kernels/triton_chain_accept.py).
+FUSED_ACCEPT = True
 
 
 def whole_step_applies(config: GDNConfig, device: torch.device, ops_name: str) -> str | None:
