@@ -5,7 +5,7 @@ goes phase by phase (each program stamps the GPU's global timer as it ends a pha
     python benchmarks/bench_verify_step.py --out DIR [--nodes 8] [--variants 4/256/1,8/256/1]
 
 A variant is warps/block_k/stages, then any tile overrides (4/256/1:BK_I=128:BN_DOWN=32). Random bf16 weights (speed does not depend on their values).
-Writes verify_step.json.
+`--accept` adds greedy acceptance to the launch. Writes verify_step.json (verify_step_accept.json).
 """
 from __future__ import annotations
 
@@ -22,11 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernels.triton_verify_step import PersistentChainVerify  # noqa: E402
 from tests.test_decode_step import SHAPES, random_weights  # noqa: E402
 
-PHASES = ("A in-proj", "B1 conv+gates", "B2 recurrence", "C out-proj", "D gate/up", "E down")
+PHASES = ("A in-proj + conv/gates", "B recurrence", "C out-proj", "D gate/up", "E down")
+ACCEPT_PHASES = ("accept: argmax + lse", "accept: commit + bookkeeping")
 
 
 def make_call(shape: str, nodes: int, programs: int | None, warps: int, block_k: int, stages: int,
-              timed: bool = False, blocks: dict[str, int] | None = None):
+              timed: bool = False, blocks: dict[str, int] | None = None, accept: bool = False):
     L, D, H, K, V, W, I, vocab = SHAPES[shape]
     dev, dtype = torch.device("cuda"), torch.bfloat16
     wt = random_weights(L, D, H, K, V, W, I, vocab, dtype, dev, False, 0)
@@ -42,7 +43,22 @@ def make_call(shape: str, nodes: int, programs: int | None, warps: int, block_k:
             torch.randn(L, 1, C, W, device=dev).to(dtype), torch.randn(L, 1, H, K, V, **f32) * 0.1, pending,
             torch.zeros(n, vocab, **f32), torch.zeros(n, D, device=dev, dtype=dtype),
             torch.zeros(n, len(features), D, device=dev, dtype=dtype), factors)
-    return verify, lambda: verify(*args)
+    chain_accept = accept_buffers(n, P, dev) if accept else None
+    return verify, lambda: verify(*args, accept=chain_accept)
+
+
+def accept_buffers(nodes: int, max_path: int, dev, steps: int = 4096):
+    """Where a greedy acceptance in the launch writes (a step log of `steps` rows; the step
+    counter clamps at its last row, so replays stay in bounds)."""
+    from kernels.triton_chain_accept import ChainAccept
+    i64 = dict(device=dev, dtype=torch.long)
+    return ChainAccept(choice=torch.zeros(nodes, **i64), lse=torch.zeros(nodes, device=dev),
+                       prob=torch.zeros(nodes, device=dev), pos=torch.zeros(1, **i64), step=torch.zeros(1, **i64),
+                       out=torch.zeros(steps, **i64), acc=torch.zeros(steps, **i64), last=torch.zeros(5, **i64),
+                       result=torch.zeros(3 + max_path, **i64), log_tokens=torch.zeros(steps, nodes, **i64),
+                       log_parents=torch.zeros(steps, nodes, **i64), log_choice=torch.zeros(steps, nodes, **i64),
+                       log_prob=torch.zeros(steps, nodes, device=dev),
+                       log_result=torch.zeros(steps, 3 + max_path, **i64))
 
 
 def time_us(call, inner: int = 20, repeats: int = 15) -> float:
@@ -72,9 +88,11 @@ def phase_split(verify, call, L: int) -> dict:
         call()
     torch.cuda.synchronize()
     us = verify.phase_us()
-    split = {"embeddings": us[0], "final norm + LM head": us[-1]}
+    split = {"embeddings": us[0], "final norm + LM head": us[1 + len(PHASES) * L]}
     for i, name in enumerate(PHASES):
-        split[name + " (all layers)"] = sum(us[1 + 6 * l + i] for l in range(L))
+        split[name + " (all layers)"] = sum(us[1 + len(PHASES) * l + i] for l in range(L))
+    for i, name in enumerate(ACCEPT_PHASES[:len(us) - 2 - len(PHASES) * L]):
+        split[name] = us[2 + len(PHASES) * L + i]
     # when each program ended layer 0's phases, from the last end of the phase before: a
     # straggler and a phase whose every program is slow look different here
     ends = verify.times.double()
@@ -89,29 +107,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", default="embedded", choices=list(SHAPES))
     p.add_argument("--nodes", type=int, default=8)
     p.add_argument("--programs", type=int, default=None)
-    p.add_argument("--variants", default="4/256/1,4/256/1:BK_I=256:BN_DOWN=16,4/256/1:BK_I=64,4/256/1:BK_O=64,8/256/1")
+    p.add_argument("--variants", default="4/256/1,4/256/1:BK_IN=64,4/256/1:BK_IN=256,8/256/1")
+    p.add_argument("--accept", action="store_true", help="with greedy acceptance in the launch")
     args = p.parse_args(argv)
     L = SHAPES[args.shape][0]
     result = {"command": " ".join(["python benchmarks/bench_verify_step.py"] + (argv or sys.argv[1:])),
               "commit": os.environ.get("SPECLA_COMMIT"), "device": torch.cuda.get_device_name(),
-              "shape": args.shape, "nodes": args.nodes, "dtype": "bfloat16", "variants": {}}
+              "shape": args.shape, "nodes": args.nodes, "dtype": "bfloat16", "accept": args.accept, "variants": {}}
     args.out.mkdir(parents=True, exist_ok=True)
     for variant in args.variants.split(","):
         settings, *tiles = variant.split(":")
         warps, block_k, stages = (int(x) for x in settings.split("/"))
         blocks = {name: int(value) for name, value in (t.split("=") for t in tiles)}
         try:
-            verify, call = make_call(args.shape, args.nodes, args.programs, warps, block_k, stages, blocks=blocks)
+            verify, call = make_call(args.shape, args.nodes, args.programs, warps, block_k, stages, blocks=blocks,
+                                     accept=args.accept)
             row = {"us_per_call": round(time_us(call), 2), "programs": verify.programs, "failed": verify.failed()}
             timed, timed_call = make_call(args.shape, args.nodes, args.programs, warps, block_k, stages,
-                                          timed=True, blocks=blocks)
+                                          timed=True, blocks=blocks, accept=args.accept)
             row.update(phase_split(timed, timed_call, L))
             row["failed"] |= timed.failed()
         except Exception as err:  # noqa: BLE001 - a variant that does not compile is a result too
             row = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
         result["variants"][variant] = row
         print(variant, json.dumps(row)[:400], flush=True)
-        (args.out / "verify_step.json").write_text(json.dumps(result, indent=1))
+        (args.out / ("verify_step_accept.json" if args.accept else "verify_step.json")).write_text(json.dumps(result, indent=1))
     return 0
 
 

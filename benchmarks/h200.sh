@@ -109,6 +109,7 @@ for stage in "$@"; do
       timeout "${T_ACCEPT_TESTS:-200}" python3 -m pytest -v -p no:cacheprovider tests/test_chain_accept.py \
         tests/test_verify_step.py -k "not interpreter" > "$R/gpu_tests_accept.txt" 2>&1
       tail -2 "$R/gpu_tests_accept.txt"
+      timeout "${T_ACCEPT_BENCH:-150}" python3 benchmarks/bench_verify_step.py --out "$R/vs" --accept 2>&1 | tail -5
       timeout "${T_ACCEPT_SPEED:-260}" python3 benchmarks/launch_counts.py --out "$R/lc_accept" \
         --ops fused+noaccept,fused --speed-prompts data/corpus/heldout_prompts.jsonl --speed-limit 3 \
         --tokens 128 2>&1 | tee "$R/log_lc_accept.txt"

@@ -9,26 +9,30 @@ keeps the AR step's phase structure and runs it over all N nodes at once, with t
 recurrence in the parallel (tree-masked UT) form for a chain, so N nodes cost one phase:
 
     first      the nodes' embeddings (the root read from the device)
-    per layer  A   residual add + RMSNorm + input projection, N rows (tl.dot)
-               B1  per (node, head): conv along the chain, SiLU, l2 norms, gates; the
-                   factors k, g and the raw conv inputs go straight into the commit buffers;
-                   the feature rows of the layer before
-               B2  per (head, V tile): fold the deferred commit into the state tile, store it,
+    per layer  A   residual add + RMSNorm + input projection, N rows (tl.dot); a unit holds
+                   one head's q, k or v columns for every node, so it runs that head's conv
+                   along the chain, SiLU and l2 norm itself (the raw conv inputs go straight
+                   into the commit buffers), and the unit of a and b the gates; the feature
+                   rows of the layer before
+               B   per (head, V tile): fold the deferred commit into the state tile, store it,
                    and the parallel form over the N nodes (outputs and the delta factors)
                C   gated per-head norm + output projection
                D   residual add + RMSNorm + gate/up projection
                E   SwiGLU + down projection
     then       F   residual add + final RMSNorm + LM head (fp32 logits), the normed rows and
                    the last layer's feature rows
+    (greedy)   two phases of acceptance (`triton_chain_accept.py`)
 
-On the H200 (benchmarks/results/h200/session16/) a chain of 8 takes ~150 us in one launch
-against ~169 us for the 45 per-op launches: each phase costs 3-6 us, about what a launch did,
-so what is left to win is fewer phases a layer, not cheaper boundaries.
+On the H200 (benchmarks/results/h200/session16/) a chain of 8 took ~150 us in one launch
+against ~169 us for the 45 per-op launches: each phase cost 3-6 us, about what a launch did,
+so what is left to win is fewer phases a layer, not cheaper boundaries: the conv and gates
+run in the input projection's units, and cost no barrier of their own.
 
-The arithmetic is the per-op verification's (`triton_projection._dot_slice`,
-`triton_conv_gates._conv_gates_node`, `triton_verify._parallel_tile`), so the logits equal the
-fused op set's tree forward's up to the order of fp32 sums. The state is written only by the
-pending fold, as the per-op verifiers do; the conv cache is not written (acceptance shifts it).
+The arithmetic is the per-op verification's (`triton_projection._dot_slice`, the conv and
+gates of `triton_conv_gates._conv_gates_node` over a tile of nodes, `triton_verify._parallel_tile`),
+so the logits equal the fused op set's tree forward's up to the order of fp32 sums. The state
+is written only by the pending fold, as the per-op verifiers do; without acceptance the conv
+cache is not written (acceptance shifts it).
 Barriers, residency and the give-up flag as in the persistent AR step.
 """
 from __future__ import annotations
@@ -40,7 +44,7 @@ import triton.language as tl
 from kernels.pdl import grid_arrive, grid_wait
 from kernels.reference import DecodeWeights
 from kernels.triton_chain_accept import ChainAccept, _accept_phase, _node_stats, accept_tiles
-from kernels.triton_conv_gates import _conv_gates_node
+from kernels.triton_conv_gates import _log_decay_and_beta
 from kernels.triton_decode_step import check_decode_weights, resident_programs
 from kernels.triton_projection import (_dot_mode, _dot_slice, _input_block, _row_rstd, _split_reduce,
                                        _summed_input)
@@ -90,6 +94,91 @@ def _rows_phase(src, w, y, y_stride, M, N, K, eps, pid, programs, sync, dtype: t
 
 
 @triton.jit
+def _conv_tile(conv_in, window, index, weight, bias, rows, r_mask, cols, c_mask, C, dtype: tl.constexpr,
+               W: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """SiLU(conv) [BM, BN] of the nodes `rows` for channels `cols` (fp32, rounded once to
+    dtype, as `triton_conv_gates._node_conv`): conv_in [N, C] holds the nodes' conv inputs,
+    window [C, W] the committed slots 1..W-1, index [N, W] each node's positions in them."""
+    out = tl.zeros([rows.shape[0], cols.shape[0]], dtype=tl.float32)
+    for w in tl.static_range(W):
+        pos = tl.load(index + rows * W + w, mask=r_mask, other=0)[:, None]
+        live = r_mask[:, None] & c_mask[None, :]
+        in_window = pos < W - 1
+        old = tl.load(window + cols[None, :] * W + 1 + pos, mask=live & in_window, other=0.0)
+        new = tl.load(conv_in + (pos - (W - 1)) * C + cols[None, :], mask=live & (pos >= W - 1), other=0.0)
+        tap = tl.load(weight + cols * W + w, mask=c_mask, other=0.0).to(tl.float32)
+        out += tl.where(in_window, old.to(tl.float32), new.to(tl.float32)) * tap[None, :]
+    if HAS_BIAS:
+        out += tl.load(bias + cols, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+    out = out * tl.sigmoid(out)
+    return out.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _in_proj_conv_phase(src, w_in, y_in, N_IN, M, D, eps, pid, programs, sync, window, index, conv_w, conv_b,
+                        neg_A, dt_bias, q_s, k_f, v_s, g_f, beta_s, conv_in, features, feat_row, F, scale,
+                        dtype: tl.constexpr, SWISH: tl.constexpr, DOT: tl.constexpr, H: tl.constexpr,
+                        K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        NEG_EIGVAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        BD: tl.constexpr, BH: tl.constexpr):
+    """Phase A: residual add + RMSNorm + the input projection, then each unit's share of the
+    conv and gates over the chain, so they need no phase of their own. A unit is one head's
+    q, k or v columns (the conv inputs go to `conv_in`, the factor a commit needs; conv,
+    SiLU and, for q and k, the head's l2 norm into q_s, k_f, v_s), a BN-column block of the
+    output gate (into y_in for phase C), or a and b (g and beta per node and head). The
+    unit of q's head 0 also writes x + residual and (feat_row >= 0) copies it into features."""
+    C: tl.constexpr = H * (2 * K + V)
+    GATE_BLOCKS: tl.constexpr = (H * V + BN - 1) // BN
+    rows = tl.arange(0, BM)
+    r_mask = rows < M
+    for unit in range(pid, 3 * H + GATE_BLOCKS + 1, programs):
+        if unit < 2 * H:
+            col0, width = unit * K, K
+        elif unit < 3 * H:
+            col0, width = 2 * H * K + (unit - 2 * H) * V, V
+        elif unit < 3 * H + GATE_BLOCKS:
+            col0 = C + (unit - 3 * H) * BN
+            width = tl.minimum(BN, C + H * V - col0)
+        else:
+            col0, width = C + H * V, 2 * H
+        o_n = tl.arange(0, BN)
+        cols = col0 + o_n
+        c_mask = o_n < width
+        first = (sync[0], tl.where(unit == pid, sync[1], 0), sync[2])
+        acc = _dot_slice(src, w_in + cols[:, None] * D, c_mask, 0, D, M, D, eps, unit == 0, dtype, 0, True, SWISH,
+                         1, DOT, BM, BN, BK, 2, first)
+        tile = r_mask[:, None] & c_mask[None, :]
+        if unit < 3 * H:        # a head's conv inputs, then its conv over the chain
+            tl.store(conv_in + rows[:, None] * C + cols[None, :], acc.to(dtype), mask=tile)
+            tl.debug_barrier()
+            x = _conv_tile(conv_in, window, index, conv_w, conv_b, rows, r_mask, cols, c_mask, C, dtype, W, HAS_BIAS)
+            if unit < 2 * H:
+                x = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6))[:, None]       # the l2 norm
+                if unit < H:
+                    tl.store(q_s + rows[:, None] * H * K + cols[None, :], x * scale, mask=tile)
+                else:
+                    tl.store(k_f + rows[:, None] * H * K + (cols - H * K)[None, :], x, mask=tile)
+            else:
+                tl.store(v_s + rows[:, None] * H * V + (cols - 2 * H * K)[None, :], x, mask=tile)
+        else:
+            tl.store(y_in + rows[:, None] * N_IN + cols[None, :], acc.to(dtype), mask=tile)
+            if unit == 3 * H + GATE_BLOCKS:     # a and b: the log decay and beta of every node and head
+                tl.debug_barrier()
+                heads = tl.minimum(tl.arange(0, BH), H - 1)[None, :]
+                row_ptr = y_in + tl.minimum(rows, M - 1)[:, None] * N_IN + C + H * V
+                g, beta = _log_decay_and_beta(row_ptr, row_ptr + H, neg_A, dt_bias, heads, NEG_EIGVAL)
+                out = r_mask[:, None] & (tl.arange(0, BH) < H)[None, :]
+                tl.store(g_f + rows[:, None] * H + heads, g, mask=out)
+                tl.store(beta_s + rows[:, None] * H + heads, beta, mask=out)
+        if unit == 0:
+            if feat_row >= 0:   # this layer's input rows, written above by this program: a drafter's features
+                tl.debug_barrier()
+                _copy_rows(src[4], features + feat_row * D, F * D, M, 0, 1, D, BD)
+    if pid >= 3 * H + GATE_BLOCKS + 1:
+        grid_wait(sync[0], sync[1], sync[2])
+
+
+@triton.jit
 def _stamp(times, phase, pid, programs, TIMED: tl.constexpr):
     """(TIMED, benchmarks only) this program's end of `phase` in ns of the GPU's global timer."""
     if TIMED:
@@ -120,7 +209,7 @@ def _chain_verify_kernel(
         NEG_EIGVAL: tl.constexpr, SWISH: tl.constexpr, HAS_PENDING: tl.constexpr, DOT: tl.constexpr,
         BM: tl.constexpr, BN_IN: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr,
         BN_HEAD: tl.constexpr, BK_D: tl.constexpr, BK_O: tl.constexpr, BK_I: tl.constexpr, BD: tl.constexpr,
-        BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, PBK: tl.constexpr, PBV: tl.constexpr,
+        BK_IN: tl.constexpr, BH_IN: tl.constexpr, BW: tl.constexpr, PBK: tl.constexpr, PBV: tl.constexpr,
         SPLIT_O: tl.constexpr, SPLIT_DOWN: tl.constexpr, TIMED: tl.constexpr, ACCEPT: tl.constexpr,
         ORACLE: tl.constexpr, BVOC: tl.constexpr, BNODES: tl.constexpr, BP: tl.constexpr, BC: tl.constexpr,
         BHK: tl.constexpr, BHV: tl.constexpr, BH: tl.constexpr):
@@ -144,34 +233,23 @@ def _chain_verify_kernel(
     # arrivals so far (`phase` of them each), as in the persistent AR step
     phase = 1
     for l in range(L):
-        # A: the block input (the embeddings, or the last MLP's output plus the residual)
+        # A: the block input (the embeddings, or the last MLP's output plus the residual), the input
+        # projection, and the conv + gates of every node; the residual rows are layer l-1's output
         if l == 0:
             src = (x_emb, D, zeros, 0, res_a, zeros, 0, attn_norm)
         else:
             src = (x_buf, D, res_b, D, res_a, zeros, 0, attn_norm + l * D)
-        _rows_phase(src, w_in + l * N_IN * D, y_in, N_IN, N, N_IN, D, eps, pid, programs,
-                    (counter, phase * programs, status), dtype, 0, True, SWISH, 1, DOT, BM, BN_IN, BK_D, 1, sums)
+        feat_row = tl.load(feat_slot + l - 1) if l > 0 else -1
+        _in_proj_conv_phase(src, w_in + l * N_IN * D, y_in, N_IN, N, D, eps, pid, programs,
+                            (counter, phase * programs, status), cache + l * C * W, index, conv_w + l * C * W,
+                            conv_b + l * C, neg_A + l * H, dt_bias + l * H, q_s, k_f + l * N * H * K, v_s,
+                            g_f + l * N * H, beta_s, conv_in_f + l * N * C, features, feat_row, F, scale, dtype,
+                            SWISH, DOT, H, K, V, W, HAS_BIAS, NEG_EIGVAL, BM, BN_IN, BK_IN, BD, BH_IN)
         _stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1
 
-        # B1: conv + gates per (node, head); the residual rows phase A summed are layer l-1's output
-        grid_wait(counter, phase * programs, status)
-        cache_l = cache + l * C * W
-        for unit in range(pid, N * H, programs):
-            _conv_gates_node(y_in, N_IN, cache_l + 1, W, index, conv_w + l * C * W, conv_b + l * C,
-                             y_in + a_col, y_in + a_col + H, N_IN, neg_A + l * H, dt_bias + l * H,
-                             q_s, k_f + l * N * H * K, v_s, g_f + l * N * H, beta_s, conv_in_f + l * N * C, C, scale,
-                             unit // H, unit % H, H, K, V, W, BK, BV, BW, HAS_BIAS, NEG_EIGVAL, True)
-        if l > 0:
-            slot = tl.load(feat_slot + l - 1)
-            if slot >= 0:
-                _copy_rows(res_a, features + slot * D, F * D, N, pid, programs, D, BD)
-        _stamp(times, phase, pid, programs, TIMED)
-        grid_arrive(counter)
-        phase += 1
-
-        # B2: the deferred commit and the recurrence over the chain, per (head, V tile)
+        # B: the deferred commit and the recurrence over the chain, per (head, V tile)
         grid_wait(counter, phase * programs, status)
         tiles = V // PBV
         for unit in range(pid, H * tiles, programs):
@@ -244,6 +322,11 @@ def _chain_verify_kernel(
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
+def in_proj_block(H: int, K: int, V: int) -> int:
+    """Columns a unit of the input projection takes: a whole q, k or v head, and a and b."""
+    return triton.next_power_of_2(max(K, V, 2 * H))
+
+
 def _dot_block_n(N: int, programs: int) -> int:
     """Columns a block of the tl.dot form: about one block a program, 16 to 64."""
     return max(16, min(64, triton.next_power_of_2(triton.cdiv(N, programs))))
@@ -296,14 +379,18 @@ class PersistentChainVerify:
         # the output and down projections are split over K in slices of SPLIT_K columns
         bk_o, bk_i = max(V, min(SPLIT_K, H * V)), min(SPLIT_K, I)
         self.blocks = dict(
-            BM=16, BN_IN=bn(N_in), BN_O=bn(D, triton.cdiv(H * V, bk_o)), BN_GU=bn(2 * I),
+            BM=16, BN_IN=in_proj_block(H, K, V), BK_IN=min(bk(D), 128), BN_O=bn(D, triton.cdiv(H * V, bk_o)), BN_GU=bn(2 * I),
             BN_DOWN=bn(D, triton.cdiv(I, bk_i)), BN_HEAD=bn(self.shape["VOCAB"]), BK_D=bk(D), BK_O=bk_o, BK_I=bk_i,
-            BD=triton.next_power_of_2(D), BK=K, BV=triton.next_power_of_2(V), BW=triton.next_power_of_2(W),
+            BD=triton.next_power_of_2(D), BH_IN=triton.next_power_of_2(H), BW=triton.next_power_of_2(W),
             PBK=par["BK"], PBV=par["BV"])
         unknown = set(blocks or ()) - set(self.blocks)
         if unknown:
             raise ValueError(f"chain verify: no tiles named {sorted(unknown)}")
         self.blocks.update(blocks or {})
+        if self.blocks["BN_IN"] < in_proj_block(H, K, V) or triton.next_power_of_2(self.blocks["BN_IN"]) != \
+                self.blocks["BN_IN"]:
+            raise ValueError(f"chain verify: BN_IN {self.blocks['BN_IN']}: a unit of the input projection holds a "
+                             f"whole head (a power of two from {in_proj_block(H, K, V)})")
         if self.blocks["BK_O"] % V:
             raise ValueError(f"chain verify: BK_O {self.blocks['BK_O']}: the gated norm's K slices are whole heads")
         self.blocks["SPLIT_O"] = triton.cdiv(H * V, self.blocks["BK_O"])
@@ -313,8 +400,8 @@ class PersistentChainVerify:
         self.block_counters = torch.zeros(triton.cdiv(D, 16), device=dev, dtype=torch.int32)
         self.dot = _dot_mode(self.dtype)
         self.launch = dict(num_warps=num_warps, num_stages=num_stages)
-        self.times = torch.zeros(6 * L + 4, self.programs, device=dev, dtype=torch.int64) if timed else None
-        self.phases = 6 * L + 2             # the last call's (two more with acceptance)
+        self.times = torch.zeros(5 * L + 4, self.programs, device=dev, dtype=torch.int64) if timed else None
+        self.phases = 5 * L + 2             # the last call's (two more with acceptance)
 
     def __call__(self, tokens: torch.Tensor, root: torch.Tensor, cache: torch.Tensor, S: torch.Tensor,
                  pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, logits: torch.Tensor,
@@ -357,7 +444,7 @@ class PersistentChainVerify:
             accept.check(n, pk.shape[2])
         tiles = accept_tiles(n, pk.shape[2], H, K, V, s["VOCAB"])
         accept_args = accept.args() if accept is not None else ChainAccept.unused(self.counter)
-        self.phases = 6 * L + 2 + (2 if accept is not None else 0)
+        self.phases = 5 * L + 2 + (2 if accept is not None else 0)
         wt = self.weights
         _chain_verify_kernel[(self.programs,)](
             tokens, root, wt.embed, self.zeros, wt.attn_norm, wt.w_in, wt.conv_w,
