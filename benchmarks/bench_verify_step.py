@@ -52,8 +52,8 @@ def accept_buffers(nodes: int, max_path: int, dev, steps: int = 4096):
     counter clamps at its last row, so replays stay in bounds)."""
     from kernels.triton_chain_accept import ChainAccept
     i64 = dict(device=dev, dtype=torch.long)
-    return ChainAccept(choice=torch.zeros(nodes, **i64), lse=torch.zeros(nodes, device=dev),
-                       prob=torch.zeros(nodes, device=dev), pos=torch.zeros(1, **i64), step=torch.zeros(1, **i64),
+    return ChainAccept(choice=torch.zeros(nodes, **i64), prob=torch.zeros(nodes, device=dev),
+                       pos=torch.zeros(1, **i64), step=torch.zeros(1, **i64),
                        out=torch.zeros(steps, **i64), acc=torch.zeros(steps, **i64), last=torch.zeros(5, **i64),
                        result=torch.zeros(3 + max_path, **i64), log_tokens=torch.zeros(steps, nodes, **i64),
                        log_parents=torch.zeros(steps, nodes, **i64), log_choice=torch.zeros(steps, nodes, **i64),

@@ -11,8 +11,8 @@ Its reference is the speculative step's own torch acceptance (`GraphedSpec.accep
 `specla/graphs/spec.py`: `greedy_accept`, `_log`, `_commit` deferred, `_conv_window`,
 `_bookkeep`) for a chain; the tests run both on the same logits and compare every buffer.
 
-    phase 1  per node r: argmax and log-sum-exp of its logits; the target's probability
-             of node r + 1's token
+    phase 1  per node r: the argmax of its logits, and from their log-sum-exp the target's
+             probability of node r + 1's token
     phase 2  every program finds the accepted length a (the leading drafts equal to the
              target's choice at their parent) and the bonus token; then, dealt round-robin:
              the accepted path's factors into the pending commit (zeros past it), the conv
@@ -30,11 +30,10 @@ import triton.language as tl
 
 @dataclasses.dataclass
 class ChainAccept:
-    """Where greedy acceptance writes (the speculative step's static buffers). `choice`,
-    `lse` and `prob` are [N] scratch rows; `log_*` are the step log's [steps, ...] fields;
+    """Where greedy acceptance writes (the speculative step's static buffers). `choice` and
+    `prob` are [N] scratch rows; `log_*` are the step log's [steps, ...] fields;
     `oracle` (cont [capacity] int64, div, gap) is the measurement oracle's check, or None."""
     choice: torch.Tensor
-    lse: torch.Tensor
     prob: torch.Tensor
     pos: torch.Tensor
     step: torch.Tensor
@@ -51,7 +50,7 @@ class ChainAccept:
 
     def args(self) -> list:
         cont, div, gap = self.oracle if self.oracle is not None else (self.out, self.acc, self.prob)
-        return [self.choice, self.lse, self.prob, self.pos, self.step, self.out, self.out.numel(), self.acc,
+        return [self.choice, self.prob, self.pos, self.step, self.out, self.out.numel(), self.acc,
                 self.acc.numel(), self.last, self.result, self.log_tokens, self.log_parents, self.log_choice,
                 self.log_prob, self.log_result, self.log_tokens.shape[0], self.log_tokens.shape[1], cont,
                 cont.numel(), div, gap]
@@ -80,9 +79,9 @@ def accept_tiles(nodes: int, max_path: int, heads: int, head_dim: int, head_v_di
 
 
 @triton.jit
-def _node_stats(logits, tokens, choice_s, lse_s, prob_s, r, N, VOCAB: tl.constexpr, BVOC: tl.constexpr):
-    """Node r's argmax (the first of equal maxima, as torch's) and log-sum-exp, and the
-    target's probability of node r + 1's token (0 for a dummy token)."""
+def _node_stats(logits, tokens, choice_s, prob_s, r, N, VOCAB: tl.constexpr, BVOC: tl.constexpr):
+    """Node r's argmax (the first of equal maxima, as torch's), and the target's probability
+    of node r + 1's token (0 for a dummy token) from the row's log-sum-exp."""
     o = tl.arange(0, BVOC)
     row = logits + r * VOCAB
     m = tl.full([], float("-inf"), tl.float32)
@@ -97,7 +96,6 @@ def _node_stats(logits, tokens, choice_s, lse_s, prob_s, r, N, VOCAB: tl.constex
         m = new_m
     lse = m + tl.log(s)
     tl.store(choice_s + r, best)
-    tl.store(lse_s + r, lse)
     if r + 1 < N:
         tok = tl.load(tokens + r + 1)
         logit = tl.load(row + tl.maximum(tok, 0), cache_modifier=".cg")

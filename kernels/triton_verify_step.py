@@ -202,7 +202,7 @@ def _chain_verify_kernel(
         logits, hidden, features, k_f, g_f, delta_f, conv_in_f,
         x_emb, res_a, res_b, x_buf, y_in, q_s, v_s, beta_s, o_buf, gu_buf, partials, block_counters, counter, status,
         times, N, eps, scale,
-        choice_s, lse_s, prob_s, pos, step, out, out_len, acc, acc_len, last, result, log_tokens, log_parents,
+        choice_s, prob_s, pos, step, out, out_len, acc, acc_len, last, result, log_tokens, log_parents,
         log_choice, log_prob, log_result, log_steps, log_nodes, cont, cont_len, div, gap,
         L: tl.constexpr, D: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
         W: tl.constexpr, I: tl.constexpr, VOCAB: tl.constexpr, F: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -218,7 +218,6 @@ def _chain_verify_kernel(
     dtype = w_in.dtype.element_ty
     C = H * (2 * K + V)
     N_IN = C + H * V + 2 * H
-    a_col = C + H * V
     sums = (partials, block_counters)
     # the embeddings: row 0 is the root the last step (or the prefill) left on the device
     o_d = tl.arange(0, BD)
@@ -306,7 +305,7 @@ def _chain_verify_kernel(
         phase += 1
         grid_wait(counter, phase * programs, status)
         for r in range(pid, N, programs):
-            _node_stats(logits, tokens, choice_s, lse_s, prob_s, r, N, VOCAB, BVOC)
+            _node_stats(logits, tokens, choice_s, prob_s, r, N, VOCAB, BVOC)
         _stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1

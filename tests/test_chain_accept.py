@@ -96,7 +96,7 @@ def test_fused_accept_needs_a_deferred_commit():
     wt = random_weights(2, 32, 2, 16, 16, 4, 32, 40, torch.float32, "cpu", False, 0)
     verify = PersistentChainVerify(wt, 2, 16, 16, 1e-6, 4)
     accept = ChainAccept(**{name: torch.zeros(2, 3, dtype=torch.long) for name in (
-        "choice", "lse", "prob", "pos", "step", "out", "acc", "last", "result", "log_tokens", "log_parents",
+        "choice", "prob", "pos", "step", "out", "acc", "last", "result", "log_tokens", "log_parents",
         "log_choice", "log_prob", "log_result")})
     f32 = dict(dtype=torch.float32)
     factors = (torch.zeros(2, 1, 4, 2, 16, **f32), torch.zeros(2, 1, 4, 2, **f32), torch.zeros(2, 1, 4, 2, 16, **f32),

@@ -371,8 +371,8 @@ class GraphedSpec:
 
         st, n, dev = self.state, self.topo.n, self.rt.device
         log = st.log
-        return ChainAccept(choice=torch.zeros(n, dtype=torch.long, device=dev), lse=torch.zeros(n, device=dev),
-                           prob=torch.zeros(n, device=dev), pos=st.pos, step=st.step, out=st.out, acc=st.acc,
+        return ChainAccept(choice=torch.zeros(n, dtype=torch.long, device=dev), prob=torch.zeros(n, device=dev),
+                           pos=st.pos, step=st.step, out=st.out, acc=st.acc,
                            last=st.last, result=self.result, log_tokens=log.tokens, log_parents=log.parents,
                            log_choice=log.choice, log_prob=log.target_prob, log_result=log.result,
                            oracle=(oracle.cont, st.div, st.gap) if oracle is not None else None)
