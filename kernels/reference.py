@@ -208,6 +208,25 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
+def tree_conv_index(parents: list[int], width: int) -> torch.Tensor:
+    """[N, width] gather index of every node's short conv in concat(committed window
+    [width-1], node inputs [N]): a node's taps are its ancestors on its own path (nearest
+    last, itself last of all), then the committed window; never its neighbours in node order."""
+    hist = width - 1
+    rows = []
+    for i in range(len(parents)):
+        taps, node, back = [], i, hist - 1
+        for _ in range(width):
+            if node >= 0:
+                taps.append(hist + node)
+                node = parents[node]
+            else:
+                taps.append(back)
+                back -= 1
+        rows.append(taps[::-1])
+    return torch.tensor(rows, dtype=torch.long)
+
+
 def tree_conv_ref(x: torch.Tensor, window: torch.Tensor, index: torch.Tensor,
                   weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Causal short conv of every draft node along its own ancestor path, then SiLU.
@@ -354,9 +373,11 @@ def decode_step_ref(token: int, wt: DecodeWeights, cache: torch.Tensor, S: torch
 
 def chain_verify_step_ref(tokens: list[int], wt: DecodeWeights, cache: torch.Tensor, S: torch.Tensor, eps: float,
                           head_dim: int, head_v_dim: int, pending=None, feature_layers: tuple[int, ...] = (),
-                          swish: bool = True, neg_eigval: bool = False) -> dict[str, torch.Tensor | None]:
+                          swish: bool = True, neg_eigval: bool = False,
+                          parents: list[int] | None = None) -> dict[str, torch.Tensor | None]:
     """A draft chain's verification forward through the whole model, composed of the per-op
-    references: tokens[0] is the root and each token the next one's parent.
+    references: tokens[0] is the root and each token the next one's parent; or, given
+    `parents` (-1 for the root, topological order), a draft tree's.
 
     cache [L, 1, C, W] (the committed conv inputs, newest last) and S [L, 1, H, K, V] fp32
     are read, not written; `pending` (k [L,1,P,H,K], delta [L,1,P,H,V], g [L,1,P,H]) is the
@@ -368,7 +389,7 @@ def chain_verify_step_ref(tokens: list[int], wt: DecodeWeights, cache: torch.Ten
     H, V = wt.neg_A.shape[1], head_v_dim
     L, C, W = cache.shape[0], cache.shape[2], cache.shape[3]
     N = len(tokens)
-    index = torch.arange(N)[:, None] + torch.arange(W)[None, :]
+    index = torch.arange(N)[:, None] + torch.arange(W)[None, :] if parents is None else tree_conv_index(parents, W)
     x, residual = wt.embed[torch.tensor(tokens)].unsqueeze(0), None
     S = S.float().clone()
     factors: dict[str, list[torch.Tensor]] = {"k": [], "g": [], "delta": [], "conv_in": []}
@@ -383,7 +404,10 @@ def chain_verify_step_ref(tokens: list[int], wt: DecodeWeights, cache: torch.Ten
                                           wt.dt_bias[l], head_dim, V, neg_eigval)
         if pending is not None:
             S[l] = commit_ref(S[l], pending[0][l], pending[1][l], pending[2][l])
-        o, delta = chain_verify_ref(q, k, v, g, beta, S[l])
+        if parents is None:
+            o, delta = chain_verify_ref(q, k, v, g, beta, S[l])
+        else:
+            o, delta = tree_verify_ref(q, k, v, g, beta, S[l], torch.tensor(parents))
         for name, value in (("k", k), ("g", g), ("delta", delta), ("conv_in", conv_in)):
             factors[name].append(value)
         x = gated_norm_linear_ref(o, gate, wt.o_norm[l], eps, "swish" if swish else "sigmoid", wt.w_o[l])

@@ -1,6 +1,6 @@
-"""Greedy acceptance of a verified draft chain, as two phases that end the persistent chain
+"""Greedy acceptance of a verified draft chain or tree, as two phases that end the persistent
 verification (`triton_verify_step.py`): the target's choice at every node, the accepted
-drafts, the deferred commit, the conv window, the bookkeeping and the step log.
+path, the deferred commit, the conv window, the bookkeeping and the step log.
 
 Why: run as torch ops after the verification, acceptance was 13 launches and ~18 us of a
 ~240 us speculative step on the H200, plus a launch gap each, for a few KB of work
@@ -9,14 +9,15 @@ barriers.
 
 Its reference is the speculative step's own torch acceptance (`GraphedSpec.accept` in
 `specla/graphs/spec.py`: `greedy_accept`, `_log`, `_commit` deferred, `_conv_window`,
-`_bookkeep`) for a chain; the tests run both on the same logits and compare every buffer.
+`_bookkeep`); the tests run both on the same logits and compare every buffer.
 
     phase 1  per node r: the argmax of its logits, and from their log-sum-exp the target's
-             probability of node r + 1's token
-    phase 2  every program finds the accepted length a (the leading drafts equal to the
-             target's choice at their parent) and the bonus token; then, dealt round-robin:
-             the accepted path's factors into the pending commit (zeros past it), the conv
-             window shifted by a + 1 inputs, and one unit of bookkeeping (the output tokens,
+             probability of each child's token
+    phase 2  every program finds the accepted path (a chain: the leading drafts equal to
+             the target's choice at their parent; a tree: the walk from the root through
+             the first child that matches) and the bonus token; then, dealt round-robin:
+             the path's factors into the pending commit (zeros past it), the conv window
+             shifted by its a + 1 inputs, and one unit of bookkeeping (the output tokens,
              the counters, the next root, the step log's row, the result)
 """
 from __future__ import annotations
@@ -62,7 +63,7 @@ class ChainAccept:
         return cls(**{f.name: one for f in dataclasses.fields(cls) if f.name != "oracle"}).args()
 
     def check(self, nodes: int, max_path: int) -> None:
-        """ValueError unless the buffers fit a chain of `nodes` and paths of `max_path`."""
+        """ValueError unless the buffers fit a draft of `nodes` and paths of `max_path`."""
         if self.log_tokens.shape[1] < nodes or self.result.numel() != 3 + max_path or self.choice.numel() < nodes:
             raise ValueError(f"chain accept: buffers for {nodes} nodes and paths of {max_path} expected")
         if self.choice.dtype != torch.long or self.out.dtype != torch.long:
@@ -79,9 +80,10 @@ def accept_tiles(nodes: int, max_path: int, heads: int, head_dim: int, head_v_di
 
 
 @triton.jit
-def _node_stats(logits, tokens, choice_s, prob_s, r, N, VOCAB: tl.constexpr, BVOC: tl.constexpr):
+def _node_stats(logits, tokens, parents, choice_s, prob_s, r, N, VOCAB: tl.constexpr, BVOC: tl.constexpr,
+                BNODES: tl.constexpr):
     """Node r's argmax (the first of equal maxima, as torch's), and the target's probability
-    of node r + 1's token (0 for a dummy token) from the row's log-sum-exp."""
+    of each child's token from the row's log-sum-exp (0 for a dummy token)."""
     o = tl.arange(0, BVOC)
     row = logits + r * VOCAB
     m = tl.full([], float("-inf"), tl.float32)
@@ -96,31 +98,59 @@ def _node_stats(logits, tokens, choice_s, prob_s, r, N, VOCAB: tl.constexpr, BVO
         m = new_m
     lse = m + tl.log(s)
     tl.store(choice_s + r, best)
-    if r + 1 < N:
-        tok = tl.load(tokens + r + 1)
-        logit = tl.load(row + tl.maximum(tok, 0), cache_modifier=".cg")
-        tl.store(prob_s + r + 1, tl.where(tok < 0, 0.0, tl.exp(logit - lse)))
+    c = tl.arange(0, BNODES)
+    child = (c < N) & (tl.load(parents + c, mask=c < N, other=-1) == r)
+    tok = tl.load(tokens + c, mask=child, other=-1)
+    logit = tl.load(row + tl.maximum(tok, 0), mask=child, other=0.0, cache_modifier=".cg")
+    tl.store(prob_s + c, tl.where(tok < 0, 0.0, tl.exp(logit - lse)), mask=child)
 
 
 @triton.jit
-def _accepted(tokens, choice_s, N, BN: tl.constexpr):
-    """(a, bonus): the number of leading drafts that equal the target's choice at their
-    parent, and the target's choice after them."""
+def _accepted(tokens, parents, choice_s, N, BN: tl.constexpr, CHAIN: tl.constexpr):
+    """(a, end, bonus, path [BN]): the accepted drafts, the last accepted node, the target's
+    choice there and the accepted nodes root first (0 past them). The walk from the root
+    takes the first child (in node order) whose token is the target's choice at its parent;
+    in a chain that is the leading drafts equal to the choice before them."""
     o = tl.arange(0, BN)
     choice = tl.load(choice_s + o, mask=o < N, other=0, cache_modifier=".cg")
-    drafted = tl.load(tokens + o + 1, mask=o + 1 < N, other=-1, cache_modifier=".cg")
-    stops = (o + 1 >= N) | (drafted != choice)
-    a = tl.min(tl.where(stops, o, BN), 0)
-    bonus = tl.sum(tl.where(o == a, choice, 0), 0)
-    return a, bonus
+    if CHAIN:
+        drafted = tl.load(tokens + o + 1, mask=o + 1 < N, other=-1, cache_modifier=".cg")
+        stops = (o + 1 >= N) | (drafted != choice)
+        a = tl.min(tl.where(stops, o, BN), 0)
+        end = a
+        path = tl.where(o <= a, o, 0)
+    else:
+        par = tl.load(parents + o, mask=o < N, other=-1)
+        tok = tl.load(tokens + o, mask=o < N, other=-1, cache_modifier=".cg")
+        at_parent = tl.load(choice_s + tl.maximum(par, 0), mask=(o < N) & (par >= 0), other=-1,
+                            cache_modifier=".cg")
+        match = (o > 0) & (o < N) & (par >= 0) & (tok >= 0) & (tok == at_parent)
+        a = tl.zeros([], dtype=tl.int32)
+        end = tl.zeros([], dtype=tl.int32)
+        path = tl.zeros([BN], dtype=tl.int32)
+        nxt = tl.min(tl.where(match & (par == 0), o, BN), 0)
+        while nxt < BN:         # one level of the walk an iteration
+            a += 1
+            end = nxt
+            path = tl.where(o == a, nxt, path)
+            nxt = tl.min(tl.where(match & (par == end), o, BN), 0)
+    bonus = tl.sum(tl.where(o == end, choice, 0), 0)
+    return a, end, bonus, path
 
 
 @triton.jit
-def _commit_unit(k_f, g_f, delta_f, pk, pd, pg, l, j, a, N, P, HK: tl.constexpr, HV: tl.constexpr,
+def _pick(values, o, at):
+    """values[at] of a register vector indexed by o, for a vector of positions `at`."""
+    return tl.sum(tl.where(o[None, :] == at[:, None], values[None, :], 0), 1)
+
+
+@triton.jit
+def _commit_unit(k_f, g_f, delta_f, pk, pd, pg, l, j, node, a, N, P, HK: tl.constexpr, HV: tl.constexpr,
                  H: tl.constexpr, BHK: tl.constexpr, BHV: tl.constexpr, BH: tl.constexpr):
-    """Pending slot j of layer l: node j's factors if it is on the accepted path, else zeros."""
+    """Pending slot j of layer l: the factors of `node`, the accepted path's j-th, for j <= a;
+    zeros past the path."""
     keep = (j <= a) & (j < N)
-    src, dst = l * N + j, l * P + j
+    src, dst = l * N + node, l * P + j
     o = tl.arange(0, BHK)
     tl.store(pk + dst * HK + o, tl.load(k_f + src * HK + o, mask=keep & (o < HK), other=0.0, cache_modifier=".cg"),
              mask=o < HK)
@@ -133,10 +163,10 @@ def _commit_unit(k_f, g_f, delta_f, pk, pd, pg, l, j, a, N, P, HK: tl.constexpr,
 
 
 @triton.jit
-def _conv_unit(cache, conv_in, l, blk, a, N, C: tl.constexpr, W: tl.constexpr, BC: tl.constexpr,
+def _conv_unit(cache, conv_in, l, blk, a, path, o_path, N, C: tl.constexpr, W: tl.constexpr, BC: tl.constexpr,
                BW: tl.constexpr):
     """Channels blk*BC.. of layer l's conv window: slots 1..W-1 become the last W-1 inputs of
-    [the old slots 1..W-1, the accepted nodes' conv inputs]; slot 0 is left as it is."""
+    [the old slots 1..W-1, the accepted path's conv inputs]; slot 0 is left as it is."""
     c = blk * BC + tl.arange(0, BC)
     w = tl.arange(0, BW)
     hist = W - 1
@@ -144,20 +174,21 @@ def _conv_unit(cache, conv_in, l, blk, a, N, C: tl.constexpr, W: tl.constexpr, B
     live = (c < C)[:, None] & ((w >= 1) & (w < W))[None, :]
     old = live & (j < hist)[None, :]
     fresh = live & (j >= hist)[None, :]
+    node = _pick(path, o_path, j - hist)
     row = cache + l * C * W + c[:, None] * W
     v_old = tl.load(row + (1 + j)[None, :], mask=old, other=0.0)
-    v_new = tl.load(conv_in + (l * N + j - hist)[None, :] * C + c[:, None], mask=fresh, other=0.0,
+    v_new = tl.load(conv_in + (l * N + node)[None, :] * C + c[:, None], mask=fresh, other=0.0,
                     cache_modifier=".cg")
     tl.debug_barrier()          # every thread has read the old window before any slot is written
     tl.store(row + w[None, :], tl.where(old, v_old, v_new), mask=live)
 
 
 @triton.jit
-def _bookkeep_unit(tokens, logits, choice_s, prob_s, a, bonus, N, VOCAB, P, pos, step, out, out_len, acc,
-                   acc_len, last, result, log_tokens, log_parents, log_choice, log_prob, log_result, log_steps,
-                   log_nodes, cont, cont_len, div, gap, ORACLE: tl.constexpr, BNODES: tl.constexpr,
-                   BP: tl.constexpr):
-    """The output tokens, counters, next root and step-log row of an accepted chain."""
+def _bookkeep_unit(tokens, parents, logits, choice_s, prob_s, a, end, bonus, path, o_path, N, VOCAB, P, pos, step,
+                   out, out_len, acc, acc_len, last, result, log_tokens, log_parents, log_choice, log_prob,
+                   log_result, log_steps, log_nodes, cont, cont_len, div, gap, ORACLE: tl.constexpr,
+                   BNODES: tl.constexpr, BP: tl.constexpr):
+    """The output tokens, counters, next root and step-log row of an accepted path."""
     s = tl.load(step)
     p0 = tl.load(pos)
     row = tl.minimum(s, log_steps - 1)
@@ -166,14 +197,14 @@ def _bookkeep_unit(tokens, logits, choice_s, prob_s, a, bonus, N, VOCAB, P, pos,
     fits = r < log_nodes
     tok = tl.load(tokens + r, mask=node, other=-1, cache_modifier=".cg")
     tl.store(log_tokens + row * log_nodes + r, tok, mask=fits)
-    tl.store(log_parents + row * log_nodes + r, tl.where(node, tl.maximum(r - 1, 0), 0), mask=fits)
+    tl.store(log_parents + row * log_nodes + r, tl.maximum(tl.load(parents + r, mask=node, other=0), 0), mask=fits)
     tl.store(log_choice + row * log_nodes + r, tl.load(choice_s + r, mask=node, other=0, cache_modifier=".cg"),
              mask=fits)
     prob = tl.load(prob_s + r, mask=node & (r > 0), other=0.0, cache_modifier=".cg")
     tl.store(log_prob + row * log_nodes + r, tl.where(r == 0, 1.0, prob), mask=fits)
     d = tl.arange(0, BP)                        # BP >= 3 + P: the result row fits too
     d_ok = d < P
-    drafted = tl.load(tokens + d + 1, mask=d < a, other=0, cache_modifier=".cg")
+    drafted = tl.load(tokens + _pick(path, o_path, d + 1), mask=d < a, other=0, cache_modifier=".cg")
     tl.store(out + tl.minimum(p0 + d, out_len - 1), tl.where(d < a, drafted, bonus), mask=d_ok)
     s_acc = tl.minimum(s, acc_len - 1)
     tl.store(acc + s_acc, a.to(tl.int64))
@@ -182,12 +213,13 @@ def _bookkeep_unit(tokens, logits, choice_s, prob_s, a, bonus, N, VOCAB, P, pos,
         expected = tl.load(cont + tl.minimum(tl.maximum(p0 + a, 0), cont_len - 1))
         flag = (bonus != expected).to(tl.int64)
         tl.store(div + s_acc, flag)
-        end_row = logits + a * VOCAB
+        end_row = logits + end * VOCAB
         tl.store(gap + s_acc, tl.load(end_row + bonus, cache_modifier=".cg") -
                  tl.load(end_row + expected, cache_modifier=".cg"))
-    # result = [a, end, bonus, path...]; for a chain the end node is a and the path 0..a
-    a64 = a.to(tl.int64)
-    packed = tl.where(d == 0, a64, tl.where(d == 1, a64, tl.where(d == 2, bonus, tl.where(d - 3 <= a, d - 3, 0))))
+    # result = [a, end, bonus, path...]
+    a64, end64 = a.to(tl.int64), end.to(tl.int64)
+    on_path = tl.where((d >= 3) & (d - 3 <= a), _pick(path, o_path, d - 3), 0).to(tl.int64)
+    packed = tl.where(d == 0, a64, tl.where(d == 1, end64, tl.where(d == 2, bonus, on_path)))
     packed_ok = d < 3 + P
     tl.store(log_result + row * (3 + P) + d, packed, mask=packed_ok)
     tl.store(result + d, packed, mask=packed_ok)
@@ -196,31 +228,36 @@ def _bookkeep_unit(tokens, logits, choice_s, prob_s, a, bonus, N, VOCAB, P, pos,
     tl.store(step, s + 1)
     # last = [a, end, bonus, diverged, pos]
     e = tl.arange(0, 8)
-    tl.store(last + e, tl.where(e < 2, a64, tl.where(e == 2, bonus, tl.where(e == 3, flag, new_pos))), mask=e < 5)
+    tl.store(last + e, tl.where(e == 0, a64, tl.where(e == 1, end64, tl.where(e == 2, bonus, tl.where(
+        e == 3, flag, new_pos)))), mask=e < 5)
 
 
 @triton.jit
-def _accept_phase(tokens, logits, root, k_f, g_f, delta_f, conv_in, pk, pd, pg, cache, choice_s, prob_s, N, P,
-                  pos, step, out, out_len, acc, acc_len, last, result, log_tokens, log_parents, log_choice,
+def _accept_phase(tokens, parents, logits, root, k_f, g_f, delta_f, conv_in, pk, pd, pg, cache, choice_s, prob_s,
+                  N, P, pos, step, out, out_len, acc, acc_len, last, result, log_tokens, log_parents, log_choice,
                   log_prob, log_result, log_steps, log_nodes, cont, cont_len, div, gap, pid, programs,
                   L: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
                   VOCAB: tl.constexpr, ORACLE: tl.constexpr, BNODES: tl.constexpr, BP: tl.constexpr,
-                  BC: tl.constexpr, BW: tl.constexpr, BHK: tl.constexpr, BHV: tl.constexpr, BH: tl.constexpr):
+                  BC: tl.constexpr, BW: tl.constexpr, BHK: tl.constexpr, BHV: tl.constexpr, BH: tl.constexpr,
+                  CHAIN: tl.constexpr):
     """Phase 2 (after phase 1's `_node_stats` and a barrier): the acceptance, the commit,
     the conv window and the bookkeeping, units dealt round-robin."""
-    a, bonus = _accepted(tokens, choice_s, N, BNODES)
+    a, end, bonus, path = _accepted(tokens, parents, choice_s, N, BNODES, CHAIN)
+    o_path = tl.arange(0, BNODES)
     C: tl.constexpr = H * (2 * K + V)
     CONV_BLOCKS: tl.constexpr = (C + BC - 1) // BC
     commits = L * P
     convs = L * CONV_BLOCKS
     for unit in range(pid, commits + convs + 1, programs):
         if unit < commits:
-            _commit_unit(k_f, g_f, delta_f, pk, pd, pg, unit // P, unit % P, a, N, P, H * K, H * V, H, BHK, BHV, BH)
+            j = unit % P
+            node = tl.sum(tl.where(o_path == j, path, 0), 0)
+            _commit_unit(k_f, g_f, delta_f, pk, pd, pg, unit // P, j, node, a, N, P, H * K, H * V, H, BHK, BHV, BH)
         elif unit < commits + convs:
             u = unit - commits
-            _conv_unit(cache, conv_in, u // CONV_BLOCKS, u % CONV_BLOCKS, a, N, C, W, BC, BW)
+            _conv_unit(cache, conv_in, u // CONV_BLOCKS, u % CONV_BLOCKS, a, path, o_path, N, C, W, BC, BW)
         else:
-            _bookkeep_unit(tokens, logits, choice_s, prob_s, a, bonus, N, VOCAB, P, pos, step, out, out_len, acc,
-                           acc_len, last, result, log_tokens, log_parents, log_choice, log_prob, log_result,
-                           log_steps, log_nodes, cont, cont_len, div, gap, ORACLE, BNODES, BP)
+            _bookkeep_unit(tokens, parents, logits, choice_s, prob_s, a, end, bonus, path, o_path, N, VOCAB, P, pos,
+                           step, out, out_len, acc, acc_len, last, result, log_tokens, log_parents, log_choice,
+                           log_prob, log_result, log_steps, log_nodes, cont, cont_len, div, gap, ORACLE, BNODES, BP)
             tl.store(root, bonus.to(tl.int64))

@@ -198,7 +198,7 @@ def _copy_rows(src, dst, dst_stride, M, pid, programs, D: tl.constexpr, BD: tl.c
 @triton.jit
 def _chain_verify_kernel(
         tokens, root, embed, zeros, attn_norm, w_in, conv_w, conv_b, neg_A, dt_bias, o_norm, w_o, mlp_norm,
-        w_gu, w_down, final_norm, lm_head, cache, S, pk, pd, pg, P, index, feat_slot,
+        w_gu, w_down, final_norm, lm_head, cache, S, pk, pd, pg, P, index, parents, feat_slot,
         logits, hidden, features, k_f, g_f, delta_f, conv_in_f,
         x_emb, res_a, res_b, x_buf, y_in, q_s, v_s, beta_s, o_buf, gu_buf, partials, block_counters, counter, status,
         times, N, eps, scale,
@@ -212,7 +212,7 @@ def _chain_verify_kernel(
         BK_IN: tl.constexpr, BH_IN: tl.constexpr, BW: tl.constexpr, PBK: tl.constexpr, PBV: tl.constexpr,
         SPLIT_O: tl.constexpr, SPLIT_DOWN: tl.constexpr, TIMED: tl.constexpr, ACCEPT: tl.constexpr,
         ORACLE: tl.constexpr, BVOC: tl.constexpr, BNODES: tl.constexpr, BP: tl.constexpr, BC: tl.constexpr,
-        BHK: tl.constexpr, BHV: tl.constexpr, BH: tl.constexpr):
+        BHK: tl.constexpr, BHV: tl.constexpr, BH: tl.constexpr, CHAIN: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     dtype = w_in.dtype.element_ty
@@ -252,10 +252,10 @@ def _chain_verify_kernel(
         grid_wait(counter, phase * programs, status)
         tiles = V // PBV
         for unit in range(pid, H * tiles, programs):
-            _parallel_tile(q_s, k_f + l * N * H * K, v_s, g_f + l * N * H, beta_s, index, S + l * H * K * V,
+            _parallel_tile(q_s, k_f + l * N * H * K, v_s, g_f + l * N * H, beta_s, parents, S + l * H * K * V,
                            o_buf, delta_f + l * N * H * V, H * K * V, K * V, V, 1,
                            pk + l * P * H * K, pd + l * P * H * V, pg + l * P * H, P, N,
-                           unit % tiles, unit // tiles, H, K, V, 16, PBK, PBV, True, HAS_PENDING, "ieee")
+                           unit % tiles, unit // tiles, H, K, V, 16, PBK, PBV, CHAIN, HAS_PENDING, "ieee")
         _stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1
@@ -305,15 +305,15 @@ def _chain_verify_kernel(
         phase += 1
         grid_wait(counter, phase * programs, status)
         for r in range(pid, N, programs):
-            _node_stats(logits, tokens, choice_s, prob_s, r, N, VOCAB, BVOC)
+            _node_stats(logits, tokens, parents, choice_s, prob_s, r, N, VOCAB, BVOC, BNODES)
         _stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1
         grid_wait(counter, phase * programs, status)
-        _accept_phase(tokens, logits, root, k_f, g_f, delta_f, conv_in_f, pk, pd, pg, cache, choice_s, prob_s, N,
-                      P, pos, step, out, out_len, acc, acc_len, last, result, log_tokens, log_parents, log_choice,
-                      log_prob, log_result, log_steps, log_nodes, cont, cont_len, div, gap, pid, programs, L, H, K,
-                      V, W, VOCAB, ORACLE, BNODES, BP, BC, BW, BHK, BHV, BH)
+        _accept_phase(tokens, parents, logits, root, k_f, g_f, delta_f, conv_in_f, pk, pd, pg, cache, choice_s,
+                      prob_s, N, P, pos, step, out, out_len, acc, acc_len, last, result, log_tokens, log_parents,
+                      log_choice, log_prob, log_result, log_steps, log_nodes, cont, cont_len, div, gap, pid, programs,
+                      L, H, K, V, W, VOCAB, ORACLE, BNODES, BP, BC, BW, BHK, BHV, BH, CHAIN)
         _stamp(times, phase, pid, programs, TIMED)
     # the last arrival re-arms the counter: every program has left every wait by then
     last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
@@ -365,6 +365,7 @@ class PersistentChainVerify:
         self.y_in, self.gate_up = rows(N_in), rows(2 * I)
         self.q, self.v, self.beta, self.o = rows(H * K, **f32), rows(H * V, **f32), rows(H, **f32), rows(H * V, **f32)
         self.index = (torch.arange(n)[:, None] + torch.arange(W)[None, :]).to(dev)    # the chain's conv windows
+        self.parents = torch.arange(-1, n - 1, device=dev)
         slots = [-1] * L
         for i, layer in enumerate(self.feature_layers):
             slots[layer] = i
@@ -406,7 +407,8 @@ class PersistentChainVerify:
                  pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, logits: torch.Tensor,
                  hidden: torch.Tensor, features: torch.Tensor | None,
                  factors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                 accept: ChainAccept | None = None) -> None:
+                 accept: ChainAccept | None = None,
+                 tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Verify tokens [1, N] (int64; tokens[0, 0] is overwritten with root [1]) from cache
         [L, 1, C, W] and S [L, 1, H, K, V] fp32, folding `pending` (k [L,1,P,H,K], delta
         [L,1,P,H,V], g [L,1,P,H] fp32) into S first. Writes logits [N, vocab] fp32, hidden
@@ -415,7 +417,12 @@ class PersistentChainVerify:
 
         With `accept`, the same launch then accepts greedily: the accepted path's factors
         become the pending commit (which must be given), the conv cache shifts, `root`
-        becomes the bonus token, and `accept`'s counters, output and step log advance."""
+        becomes the bonus token, and `accept`'s counters, output and step log advance.
+
+        With `tree` = (parents [N] int64, -1 at the root, in topological order; conv_index
+        [N, W], `DraftTree.conv_window_index`), both read on the device at every call, the
+        nodes are a tree's: the recurrence takes the tree-masked parallel form, each node's
+        conv its own path, and acceptance walks the tree."""
         s, n = self.shape, self.nodes
         k_f, g_f, delta_f, conv_in_f = factors
         L, H, K, V, D = s["L"], s["H"], s["K"], s["V"], s["D"]
@@ -436,6 +443,11 @@ class PersistentChainVerify:
                 want = (L, 1, P, H) + ((width,) if width else ())
                 if tuple(t.shape) != want or t.dtype != torch.float32 or not t.is_contiguous():
                     raise ValueError(f"chain verify: pending factors must be contiguous fp32 {want}")
+        parents, index = tree if tree is not None else (self.parents, self.index)
+        if tree is not None and (tuple(parents.shape) != (n,) or parents.dtype != torch.long
+                                 or tuple(index.shape) != tuple(self.index.shape) or not index.is_contiguous()):
+            raise ValueError(f"chain verify: a tree's parents must be int64 [{n}] and its conv index "
+                             f"contiguous {tuple(self.index.shape)}")
         pk, pd, pg = pending if pending is not None else (k_f, delta_f, g_f)
         if accept is not None:
             if pending is None:
@@ -449,7 +461,7 @@ class PersistentChainVerify:
             tokens, root, wt.embed, self.zeros, wt.attn_norm, wt.w_in, wt.conv_w,
             wt.conv_b if wt.conv_b is not None else wt.conv_w, wt.neg_A, wt.dt_bias, wt.o_norm, wt.w_o,
             wt.mlp_norm, wt.w_gate_up, wt.w_down, wt.final_norm, wt.lm_head, cache, S, pk, pd, pg,
-            pk.shape[2] if pending is not None else 0, self.index, self.feat_slot,
+            pk.shape[2] if pending is not None else 0, index, parents, self.feat_slot,
             logits, hidden, features if features is not None else hidden, k_f, g_f, delta_f, conv_in_f,
             self.x_emb, self.res_a, self.res_b, self.x, self.y_in, self.q, self.v, self.beta, self.o,
             self.gate_up, self.partials, self.block_counters, self.counter, self.status,
@@ -457,7 +469,7 @@ class PersistentChainVerify:
             n, self.eps, self.scale, *accept_args, **s, HAS_BIAS=wt.conv_b is not None, NEG_EIGVAL=self.neg_eigval,
             SWISH=self.swish, HAS_PENDING=pending is not None, DOT=self.dot, **self.blocks,
             TIMED=self.times is not None, ACCEPT=accept is not None,
-            ORACLE=accept is not None and accept.oracle is not None, **tiles, **self.launch)
+            ORACLE=accept is not None and accept.oracle is not None, **tiles, CHAIN=tree is None, **self.launch)
 
     def phase_us(self) -> list[float]:
         """(timed) Each phase's time in the last call: the last program's end of it minus

@@ -111,25 +111,10 @@ class DraftTree:
         return mask
 
     def conv_window_index(self, width: int) -> torch.Tensor:
-        """[N, width] gather index for the short conv of every node.
-
-        Indexes concat(committed window [width-1], node inputs [N]): a node's taps are its
-        ancestors on its own path (nearest last), then the committed window; never the nodes
-        next to it in node order.
-        """
-        hist = width - 1
-        rows = []
-        for i in range(len(self)):
-            taps, node, back = [], i, hist - 1
-            for _ in range(width):
-                if node >= 0:
-                    taps.append(hist + node)
-                    node = self.parents[node]
-                else:
-                    taps.append(back)
-                    back -= 1
-            rows.append(taps[::-1])
-        return torch.tensor(rows, dtype=torch.long)   # one tensor built, not one per node
+        """[N, width] gather index for the short conv of every node along its own path
+        (`kernels.reference.tree_conv_index`)."""
+        from kernels.reference import tree_conv_index
+        return tree_conv_index(self.parents, width)
 
     def to_index_paths(self) -> list[list[int]]:
         """Medusa-style shape: for each non-root node, the sibling ranks along its path."""

@@ -26,17 +26,38 @@ def greedy_tokens(packed, state, root: int, n: int) -> list[int]:
     return out
 
 
+def tree_draft(tokens: torch.Tensor, parents: list[int], pos: int, cont: list[int], vocab: int,
+               gen: torch.Generator, alpha: float = 0.7) -> None:
+    """Draft a tree into tokens[0, 1:]: a node on the true path whose earlier siblings all
+    missed drafts the true next token with probability alpha, any other node a wrong one,
+    so the walk leaves the first child as often as it takes it."""
+    depth, good, taken = [0] * len(parents), {0}, set()
+    for i in range(1, len(parents)):
+        p = parents[i]
+        depth[i] = depth[p] + 1
+        true = cont[pos + depth[i] - 1]
+        if p in good and p not in taken and torch.rand((), generator=gen) < alpha:
+            good.add(i)
+            taken.add(p)
+            tokens[0, i] = true
+        else:
+            tokens[0, i] = (true + 1 + int(torch.randint(vocab - 1, (), generator=gen))) % vocab
+
+
 def check_chain_accept(device: str, use_oracle: bool, nodes: int = 6, steps: int = 6,
-                       verifier=None) -> list[str]:
+                       verifier=None, parents: list[int] | None = None) -> list[str]:
     """`steps` steps of a chain of `nodes` drafted by an oracle at alpha 0.85 from the AR
-    continuation; the fused and the torch acceptance compared after each. `verifier`
-    replaces the engine's persistent verifier (the interpreter's one-program kernel)."""
+    continuation (or of a tree of `parents`, drafted by `tree_draft`); the fused and the
+    torch acceptance compared after each. `verifier` replaces the engine's persistent
+    verifier (the interpreter's one-program kernel)."""
     from specla.graphs.oracle import DeviceOracle
     from specla.graphs.runtime import PackedTarget, StaticState
     from specla.graphs.spec import GraphedSpec, SpecState
     from specla.tree import DraftTree
     from tests.helpers import random_target
 
+    tree = DraftTree.chain([0] * nodes) if parents is None else DraftTree([0] * len(parents), parents)
+    nodes = len(tree)
     target = random_target(vocab=96, hidden=64, std=0.25).to(device)
     packed = PackedTarget(target, ops="auto")
     if verifier is not None:
@@ -49,23 +70,29 @@ def check_chain_accept(device: str, use_oracle: bool, nodes: int = 6, steps: int
     cont = greedy_tokens(packed, start, root, capacity)
     oracle = DeviceOracle(cont, packed.config.vocab_size, 0.85, max_steps=steps + 1, max_nodes=nodes,
                           capacity=capacity + 4 * nodes, device=packed.device, seed=3)
-    tree = DraftTree.chain([0] * nodes)
     specs = []
     for fused in (True, False):
         state = SpecState(packed, max_path=nodes + 2, capacity=capacity, max_nodes=nodes + 1)
         state.reset(start, root)
-        specs.append(GraphedSpec(packed, state, tree, mode="chain", feature_layers=(0,), use_graph=False,
+        specs.append(GraphedSpec(packed, state, tree, mode="auto", feature_layers=(0,), use_graph=False,
                                  oracle=oracle if use_oracle else None, fused_accept=fused))
     fused, plain = specs
     if not fused.kernel_accept or plain.kernel_accept or fused.chain_verify is None:
         return [f"the fused spec does not accept in the launch: {fused.verify_note}"]
-    problems, accepted = [], []
+    problems, accepted, branched = [], [], False
     for s in range(steps):
+        if parents is not None:
+            tree_draft(plain.tokens, parents, int(plain.state.pos), cont, packed.config.vocab_size, gen)
+            fused.tokens.copy_(plain.tokens)
         for spec in specs:
-            oracle.draft(spec.tokens, spec.topo, spec.state.pos, spec.state.step)
+            if parents is None:
+                oracle.draft(spec.tokens, spec.topo, spec.state.pos, spec.state.step)
             spec.verify()
             spec.accept()
         accepted.append(int(plain.state.last[0]))
+        if parents is not None:
+            path = plain.result[3:3 + accepted[-1] + 1].tolist()
+            branched |= any(parents.index(parents[node]) != node for node in path[1:])
         pairs = [("tokens", fused.tokens, plain.tokens), ("result", fused.result, plain.result),
                  ("logits", fused.logits, plain.logits)]
         names = ["recurrent", "conv", "pk", "pd", "pg", "root", "pos", "step", "out", "acc", "div", "gap", "last",
@@ -78,7 +105,12 @@ def check_chain_accept(device: str, use_oracle: bool, nodes: int = 6, steps: int
                 problems.append(f"step {s}: {name} differs")
     if len(set(accepted)) < 2 or max(accepted) == 0:
         problems.append(f"the drafts exercised too little: accepted {accepted}")
+    if parents is not None and not branched:
+        problems.append("no accepted path left the first children")
     return problems
+
+
+TREE = [-1, 0, 0, 1, 1, 2, 3, 3, 4, 6]      # branches at depths 1 to 3
 
 
 @needs_cuda
@@ -86,6 +118,12 @@ def check_chain_accept(device: str, use_oracle: bool, nodes: int = 6, steps: int
 @pytest.mark.parametrize("use_oracle", [False, True], ids=["drafter", "oracle"])
 def test_fused_accept_matches_torch_accept(use_oracle):
     assert not check_chain_accept("cuda", use_oracle)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_fused_tree_accept_matches_torch_accept():
+    assert not check_chain_accept("cuda", False, steps=8, parents=TREE)
 
 
 def test_fused_accept_needs_a_deferred_commit():
@@ -120,7 +158,7 @@ def interpreted_verifier(packed, nodes: int, layers: tuple[int, ...]):
 
 def test_fused_accept_interpreter():
     """One program through Triton's CPU interpreter, with and without the oracle's check."""
-    assert run_interpreted(__file__).count("ok ") == 2
+    assert run_interpreted(__file__).count("ok ") == 3
 
 
 if __name__ == "__main__":
@@ -131,4 +169,7 @@ if __name__ == "__main__":
         problems = check_chain_accept("cpu", use_oracle, steps=4, verifier=interpreted_verifier)
         print(("FAIL " if problems else "ok ") + f"oracle={use_oracle} " + "; ".join(problems))
         failed += bool(problems)
+    problems = check_chain_accept("cpu", False, steps=6, verifier=interpreted_verifier, parents=TREE)
+    print(("FAIL " if problems else "ok ") + "tree " + "; ".join(problems))
+    failed += bool(problems)
     sys.exit(1 if failed else 0)

@@ -18,10 +18,10 @@ from tests.test_kernels import RTOL, needs_cuda, rel_err
 def check_chain_verify(L: int, D: int, H: int, K: int, V: int, W: int, I: int, vocab: int, dtype, device,
                        nodes: int, pending: bool = True, features: tuple[int, ...] = (), bias: bool = False,
                        neg_eigval: bool = False, programs: int | None = None, seed: int = 0,
-                       blocks: dict[str, int] | None = None) -> list[str]:
-    """Two chains verified from one random state; the second call folds a different
-    pending commit into the state the first left, so a stale read, a missed barrier or a
-    counter left armed shows in the second."""
+                       blocks: dict[str, int] | None = None, parents: list[int] | None = None) -> list[str]:
+    """Two chains (or trees of `parents`) verified from one random state; the second call
+    folds a different pending commit into the state the first left, so a stale read, a
+    missed barrier or a counter left armed shows in the second."""
     from kernels.triton_verify_step import PersistentChainVerify
     wt = random_weights(L, D, H, K, V, W, I, vocab, dtype, device, bias, seed)
     wt_cpu = reference.DecodeWeights(**{k: None if v is None else v.cpu() for k, v in vars(wt).items()})
@@ -37,6 +37,8 @@ def check_chain_verify(L: int, D: int, H: int, K: int, V: int, W: int, I: int, v
     logits, hidden = torch.zeros(n, vocab, **f32), torch.zeros(n, D, device=device, dtype=dtype)
     feats = torch.zeros(n, len(features), D, device=device, dtype=dtype) if features else None
     root = torch.zeros(1, dtype=torch.long, device=device)
+    tree = None if parents is None else (torch.tensor(parents, device=device),
+                                         reference.tree_conv_index(parents, W).to(device))
     # fp32: the order of sums only; bf16: every projection rounds its output, over the layers
     tol = RTOL if dtype == torch.float32 else 4e-2 if os.environ.get("TRITON_INTERPRET") == "1" else 2e-2
     problems = []
@@ -49,9 +51,10 @@ def check_chain_verify(L: int, D: int, H: int, K: int, V: int, W: int, I: int, v
         pend = (kp, torch.randn(L, 1, P, H, V, generator=gen) * 0.1, -torch.rand(L, 1, P, H, generator=gen) * 0.5)
         S_before = S.cpu().clone()
         want = reference.chain_verify_step_ref(chain, wt_cpu, cache.cpu(), S_before, 1e-6, K, V,
-                                               pend if pending else None, features, neg_eigval=neg_eigval)
+                                               pend if pending else None, features, neg_eigval=neg_eigval,
+                                               parents=parents)
         verify(tokens, root, cache, S, tuple(t.to(device) for t in pend) if pending else None, logits, hidden,
-               feats, factors)
+               feats, factors, tree=tree)
         got = dict(logits=logits, hidden=hidden, features=feats, S=S, k=factors[0], g=factors[1],
                    delta=factors[2], conv_in=factors[3])
         for name, value in got.items():
@@ -84,6 +87,20 @@ def test_chain_verify_node_counts(nodes):
                                   features=(1,))
 
 
+# a static tree of 16 nodes (two branches at the root, one deeper) and a best-first-like one
+TREES = {"static-16": [-1, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 8, 3, 1, 11, 9],
+         "bushy-7": [-1, 0, 0, 0, 1, 1, 2]}
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("tree", list(TREES))
+def test_tree_verify_matches_reference(tree, dtype):
+    parents = TREES[tree]
+    assert not check_chain_verify(*SHAPES["embedded"], dtype, "cuda", nodes=len(parents), features=(1, 5),
+                                  parents=parents)
+
+
 def test_chain_verify_rejects_bad_input():
     pytest.importorskip("triton")
     from kernels.triton_verify_step import PersistentChainVerify
@@ -102,12 +119,19 @@ def test_chain_verify_rejects_bad_input():
     with pytest.raises(ValueError, match="tokens"):
         verify(torch.zeros(1, 5, dtype=torch.long), torch.zeros(1, dtype=torch.long), None, None, None,
                None, None, None, (torch.zeros(2, 1, 4, 2, 16),) * 4)
+    f32 = dict(dtype=torch.float32)
+    factors = (torch.zeros(2, 1, 4, 2, 16, **f32), torch.zeros(2, 1, 4, 2, **f32), torch.zeros(2, 1, 4, 2, 16, **f32),
+               torch.zeros(2, 1, 4, 2 * 48))
+    with pytest.raises(ValueError, match="a tree's parents"):
+        verify(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, dtype=torch.long), torch.zeros(2, 1, 96, 4),
+               torch.zeros(2, 1, 2, 16, 16), None, torch.zeros(4, 40), torch.zeros(4, 32), None, factors,
+               tree=(torch.tensor([-1, 0, 0]), torch.zeros(4, 4, dtype=torch.long)))
 
 
 def test_chain_verify_interpreter():
     """One program through Triton's CPU interpreter: every phase's arithmetic against the
     reference and the barriers' bookkeeping over two calls."""
-    assert run_interpreted(__file__).count("ok ") == 4
+    assert run_interpreted(__file__).count("ok ") == 5
 
 
 def check_packed_target(dtype, deferred: bool) -> list[str]:
@@ -138,6 +162,10 @@ if __name__ == "__main__":
                                       bias=dtype == torch.float32, neg_eigval=dtype == torch.bfloat16, programs=1)
         print(("FAIL " if problems else "ok ") + str(dtype) + " " + "; ".join(problems))
         failed += bool(problems)
+    problems = check_chain_verify(*SHAPES["tiny"], torch.float32, "cpu", nodes=7, features=(1,), programs=1,
+                                  parents=TREES["bushy-7"])
+    print(("FAIL " if problems else "ok ") + "tree " + "; ".join(problems))
+    failed += bool(problems)
     for deferred in (True, False):
         problems = check_packed_target(torch.float32, deferred)
         print(("FAIL " if problems else "ok ") + f"packed target, deferred={deferred} " + "; ".join(problems))

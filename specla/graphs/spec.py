@@ -290,9 +290,9 @@ class GraphedSpec:
 
     Acceptance is greedy on the device, or, with `host_accept=True`, read from `result`
     where the host wrote it (lossless rejection sampling runs on the host between `verify`
-    and `accept`). A chain verified in one persistent launch also accepts greedily in that
-    launch (deferred commit; `fused_accept=False`, or `whole_step.FUSED_ACCEPT = False`, keeps
-    the torch ops), and `accept` is empty.
+    and `accept`). A chain or tree verified in one persistent launch also accepts greedily in
+    that launch (deferred commit; `fused_accept=False`, or `whole_step.FUSED_ACCEPT = False`,
+    keeps the torch ops), and `accept` is empty.
 
     A `drafter` is any object with `draft(spec)`, which reads this step's `result` and
     `features` and writes the next step's `tokens[0, 1:]` with tensor ops only; its static
@@ -323,10 +323,15 @@ class GraphedSpec:
         if self.dynamic:
             self.mode = "tree"
         n, dev, c = len(tree), rt.device, rt.config
-        # a chain verified by the kernels: one persistent launch where the target's AR token is one
+        # verified by the kernels: one persistent launch where the target's AR token is one (a tree's
+        # topology is read on the device at every call, so a dynamic tree's rebuild reaches it)
         self.chain_verify, self.verify_note = None, f"per-op {self.mode} verification"
-        if persistent_verify and self.mode == "chain" and recurrence == "kernels" and not self.dynamic:
-            self.chain_verify, self.verify_note = rt.chain_verifier(n, self.feature_layers, deferred)
+        if persistent_verify and recurrence == "kernels":
+            self.chain_verify, why = rt.chain_verifier(n, self.feature_layers, deferred)
+            if self.chain_verify is None:
+                self.verify_note += f" ({why})"
+            else:
+                self.verify_note = why if tree.is_chain else why.replace("a chain's", "a tree's")
         # greedy acceptance in the same launch (its commit deferred), unless the host or sampling accepts
         if fused_accept is None:
             from specla.graphs.whole_step import FUSED_ACCEPT as fused_accept
@@ -403,9 +408,10 @@ class GraphedSpec:
         st = self.state
         if self.chain_verify is not None:
             f = self.factors
+            topo = None if self.topo.tree.is_chain else (self.topo.model_topo.parents, self.topo.conv_index)
             self.chain_verify(self.tokens, st.root, st.cache.conv, st.cache.recurrent,
                               (st.pk, st.pd, st.pg) if self.deferred else None, self.logits, self.last_hidden,
-                              self.features, (f.k, f.g, f.delta, f.conv_in), self.chain_accept)
+                              self.features, (f.k, f.g, f.delta, f.conv_in), self.chain_accept, topo)
             return
         self.tokens[0, :1].copy_(self.state.root)
         logits, hidden, feats = self.rt.tree_forward(self.tokens, self.state.cache, self.topo.conv_index,

@@ -111,7 +111,7 @@ def chain_verify_for(packed, nodes: int, feature_layers: tuple[int, ...], deferr
     """(PersistentChainVerify, note) for a chain of `nodes` of a PackedTarget whose AR token
     is one persistent launch (the verifier reads the same stacked weights), or (None, why not)."""
     if packed.whole_step is None or not WHOLE_VERIFY:
-        return None, "the per-op verification (no persistent AR step, or turned off)"
+        return None, "no persistent AR step for this target here, or turned off"
     c = packed.config
     try:
         from kernels.triton_verify_step import PersistentChainVerify
@@ -129,9 +129,22 @@ def chain_verify_for(packed, nodes: int, feature_layers: tuple[int, ...], deferr
 
 @torch.no_grad()
 def check_chain_verify(packed, verifier, deferred: bool, seed: int = 0) -> str | None:
-    """Verify a random chain from a random state (and pending commit) with the persistent
-    kernel and with the op set's tree forward; None if logits, normed rows, features, the
-    folded state and the factors agree, else what differs."""
+    """Verify a random chain, then a random tree of as many nodes, from a random state (and
+    pending commit) with the persistent kernel and with the op set's tree forward; None if
+    logits, normed rows, features, the folded state and the factors agree, else what differs."""
+    from specla.tree import DraftTree
+    n = verifier.nodes
+    problem = _check_draft(packed, verifier, deferred, DraftTree.chain([0] * n, max_nodes=max(n, 1)), seed)
+    if problem or n < 3:
+        return problem
+    tree = DraftTree([0] * n, [-1] + [(i - 1) // 2 for i in range(1, n)])     # a binary tree: branches at every depth
+    problem = _check_draft(packed, verifier, deferred, tree, seed + 1)
+    return problem and f"a tree's verification: {problem}"
+
+
+@torch.no_grad()
+def _check_draft(packed, verifier, deferred: bool, tree, seed: int) -> str | None:
+    """`check_chain_verify` for one draft shape."""
     from specla.graphs.runtime import StaticState
     from specla.model import Topology
     from specla.verify import verify_layer
@@ -148,11 +161,11 @@ def check_chain_verify(packed, verifier, deferred: bool, seed: int = 0) -> str |
                                         -torch.rand(L, 1, P, H, generator=gen) * 0.5)) if deferred else None
     tokens = torch.randint(c.vocab_size, (1, n), generator=gen).to(dev)
     root = tokens[0, :1].clone()
-    topo = Topology.chain(n, c.conv_size, dev)
+    topo = Topology.of(tree, c.conv_size, dev)
     want_f, got_f = packed.new_factors(n), packed.new_factors(n)
 
     def verify(l, q, k, v, g, beta, S, out):
-        return verify_layer("chain", q, k, v, g, beta, S, topo, pending=None if pending is None
+        return verify_layer("chain" if tree.is_chain else "tree", q, k, v, g, beta, S, topo, pending=None if pending is None
                             else tuple(t[l] for t in pending), out=out)
 
     layers = verifier.feature_layers
@@ -161,7 +174,7 @@ def check_chain_verify(packed, verifier, deferred: bool, seed: int = 0) -> str |
     hidden = torch.zeros(n, c.hidden_size, device=dev, dtype=packed.dtype)
     feats = torch.zeros(n, len(layers), c.hidden_size, device=dev, dtype=packed.dtype) if layers else None
     verifier(tokens, root, mine.conv, mine.recurrent, pending, logits, hidden, feats,
-             (got_f.k, got_f.g, got_f.delta, got_f.conv_in))
+             (got_f.k, got_f.g, got_f.delta, got_f.conv_in), tree=None if tree.is_chain else (topo.parents, topo.conv_index))
     tol = 1e-3 if packed.dtype == torch.float32 else 5e-2
     pairs = [("logits", logits, want_logits), ("normed rows", hidden, want_hidden), ("state", mine.recurrent,
              theirs.recurrent)] + [(name, getattr(got_f, name), getattr(want_f, name)) for name in
