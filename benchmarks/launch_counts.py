@@ -123,6 +123,10 @@ def drafter_for(runtime, engine, prompt: list[int], settings: DecodeSettings, ar
     probability --alpha) built from this prompt and the target's own continuation of it."""
     entry = runtime.drafters[args.drafter]
     if hasattr(entry, "propose"):
+        if args.preset:     # a tree preset over the drafter ("measured": the drafter's own)
+            paths = runner.parse_paths(args.preset)
+            paths = runner.measured_preset(entry, args.drafter) if paths == runner.MEASURED else paths
+            return runner.PresetShape(entry, paths)
         return entry
     s = runner.normalize_settings(runtime, {"drafter": args.drafter, "oracle_alpha": args.alpha, "tree": args.tree,
                                             "budget": args.budget, "max_new_tokens": settings.max_new_tokens})
@@ -150,7 +154,8 @@ def speed_row(runtime, engine, texts: list[str], args) -> dict:
 
     row = pair_row(dataclasses.replace(runtime, engine=engine), texts,
                    {"drafter": args.drafter, "tree": args.tree, "budget": args.budget, "top_k": args.top_k,
-                    "block_size": 8, "oracle_alpha": args.alpha, "max_new_tokens": args.tokens})
+                    "block_size": 8, "oracle_alpha": args.alpha, "max_new_tokens": args.tokens,
+                    "paths": args.preset or None})
     keep = ("tau", "ms_per_token", "ar_ms_per_token", "speedup", "time_split_ms_per_step", "exact")
     return {key: row[key] for key in keep}
 
@@ -166,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tree", default="chain")
     p.add_argument("--budget", type=int, default=7)
     p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--preset", default=None, help="a tree preset: JSON index paths, or measured (the drafter's own)")
     p.add_argument("--ops", default="auto",
                    help="the target's per-layer ops, one set or several to compare: auto | fla | fused | torch; "
                         "a +nopdl suffix (fused+nopdl) launches the GEMV projections without programmatic "
@@ -188,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": " ".join(["python benchmarks/launch_counts.py"] + (argv or sys.argv[1:])),
               "commit": os.environ.get("SPECLA_COMMIT"), "device": runner.hardware_name(runtime.device),
               "model": runtime.model_name, **weight_floor(runtime),
-              "settings": {"drafter": args.drafter, "tree": args.tree, "budget": args.budget, "top_k": args.top_k},
+              "settings": {"drafter": args.drafter, "tree": args.tree, "budget": args.budget, "top_k": args.top_k,
+                           "preset": args.preset},
               "unit": "kernels" if runtime.device.type == "cuda" else "aten ops (CPU: no kernels to count)",
               "variants": {}}
     if args.speed_prompts:

@@ -354,11 +354,12 @@ def _head_unit(y_buf, final_norm, lm_head, logits, blk, first, sync, eps, VOCAB,
 
 
 @triton.jit
-def _chain_out(cand, cand_logp, r, slots, chain, n_chain, step, log_cand, log_cand_logp, log_draft_logp, log_steps,
-               log_nodes, logp_scale, TOPK: tl.constexpr, BK: tl.constexpr, BNODES: tl.constexpr):
-    """(greedy chains) Slot r's top-1 as draft node r + 1 of `chain`, and the step log's row:
-    the slot's candidates and the node's log-prob (times logp_scale), as the drafter's torch
-    ops write them."""
+def _chain_out(cand, cand_logp, r, slots, chain, n_chain, flat, step, log_cand, log_cand_logp, log_draft_logp,
+               log_steps, log_nodes, logp_scale, TOPK: tl.constexpr, BK: tl.constexpr, BNODES: tl.constexpr):
+    """(greedy chains and fixed trees) The draft nodes that take one of slot r's candidates:
+    node j + 1 of `chain` is candidate flat[j] of the [slots, k] table (a chain's node j + 1
+    is slot j's top-1); and the step log's row: the slot's candidates and those nodes'
+    log-probs (times logp_scale), as the drafter's torch ops write them."""
     tl.debug_barrier()      # cand rows were stored by other threads of this program
     row = tl.minimum(tl.load(step), log_steps - 1)
     o_k = tl.arange(0, BK)
@@ -366,11 +367,12 @@ def _chain_out(cand, cand_logp, r, slots, chain, n_chain, step, log_cand, log_ca
     tl.store(log_cand + (row * slots + r) * TOPK + o_k, tl.load(cand + r * TOPK + o_k, mask=k_ok), mask=k_ok)
     tl.store(log_cand_logp + (row * slots + r) * TOPK + o_k, tl.load(cand_logp + r * TOPK + o_k, mask=k_ok),
              mask=k_ok)
-    if r < n_chain:
-        tl.store(chain + 1 + r, tl.load(cand + r * TOPK))
-        tl.store(log_draft_logp + row * log_nodes + 1 + r, tl.load(cand_logp + r * TOPK) * logp_scale)
-    if r == 0:      # the root's log-prob and the padding past the chain
-        j = tl.arange(0, BNODES)
+    j = tl.arange(0, BNODES)
+    f = tl.load(flat + j, mask=j < n_chain, other=-1)
+    mine = (j < n_chain) & (f >= r * TOPK) & (f < (r + 1) * TOPK)
+    tl.store(chain + 1 + j, tl.load(cand + f, mask=mine), mask=mine)
+    tl.store(log_draft_logp + row * log_nodes + 1 + j, tl.load(cand_logp + f, mask=mine) * logp_scale, mask=mine)
+    if r == 0:      # the root's log-prob and the padding past the draft
         tl.store(log_draft_logp + row * log_nodes + j, tl.zeros([BNODES], dtype=tl.float32),
                  mask=((j == 0) | (j > n_chain)) & (j < log_nodes))
 
@@ -381,7 +383,7 @@ def _block_draft_kernel(
         w_gate_up, w_down, norm, out_proj, embed, final_norm, lm_head, rope_cos, rope_sin,
         ctx, valid, kv, ctx_next, valid_next, kv_next, fc_out, x_a, x_b, qkv, part_o, part_d, y_buf,
         h_out, logits, cand, cand_logp, counter, status, slots, VOCAB, eps, target_eps, scale,
-        chain, n_chain, step, log_cand, log_cand_logp, log_draft_logp, log_steps, log_nodes, logp_scale,
+        chain, n_chain, flat, step, log_cand, log_cand_logp, log_draft_logp, log_steps, log_nodes, logp_scale,
         D: tl.constexpr, FD: tl.constexpr, WD: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr,
         LD: tl.constexpr, MH: tl.constexpr, W: tl.constexpr, B: tl.constexpr, TOPK: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr,
@@ -479,7 +481,7 @@ def _block_draft_kernel(
     for r in range(pid, slots, programs):
         _slot_topk(logits, cand, cand_logp, r, VOCAB, TOPK, BV)
         if CHAIN:
-            _chain_out(cand, cand_logp, r, slots, chain, n_chain, step, log_cand, log_cand_logp, log_draft_logp,
+            _chain_out(cand, cand_logp, r, slots, chain, n_chain, flat, step, log_cand, log_cand_logp, log_draft_logp,
                        log_steps, log_nodes, logp_scale, TOPK, BK_TOP, BNODES)
     # the last arrival re-arms the counter: every program has left every wait by then
     last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
@@ -514,16 +516,22 @@ def rope_tables(positions: int, head_dim: int, device: torch.device,
 
 
 class ChainOut(NamedTuple):
-    """Where a greedy chain goes: tokens [drafted + 1] (node 0, the root, not written), and
+    """Where a greedy chain or a fixed tree goes: tokens [drafted + 1] (node 0, the root,
+    not written; node j + 1 is candidate flat[j] of the [slots, k] top-k table, int64), and
     the step log's row `step` (clamped to the last): cand / cand_logp [steps, slots, k] and
-    draft_logp [steps, nodes] (the nodes' log-probs times logp_scale, 0 past the chain)."""
+    draft_logp [steps, nodes] (the nodes' log-probs times logp_scale, 0 past the draft)."""
     tokens: torch.Tensor
-    drafted: int
+    flat: torch.Tensor
     step: torch.Tensor
     cand: torch.Tensor
     cand_logp: torch.Tensor
     draft_logp: torch.Tensor
     logp_scale: float = 1.0
+
+    @staticmethod
+    def chain_map(drafted: int, top_k: int, device) -> torch.Tensor:
+        """The `flat` of a greedy chain: node j + 1 is slot j's top-1."""
+        return torch.arange(drafted, device=device) * top_k
 
 
 class PersistentBlockDraft:
@@ -621,19 +629,21 @@ class PersistentBlockDraft:
     def _chain_args(self, chain: ChainOut | None, cand: torch.Tensor) -> tuple:
         """The kernel's chain arguments (placeholders without a chain), checked."""
         if chain is None:
-            return (cand, 0, cand, cand, cand, cand, 1, 1, 0.0)
+            return (cand, 0, cand, cand, cand, cand, cand, 1, 1, 0.0)
         S, k = self.slots, self.top_k
         steps, nodes = chain.draft_logp.shape
-        if not 1 <= chain.drafted <= S or chain.tokens.numel() != chain.drafted + 1 or nodes <= chain.drafted:
-            raise ValueError(f"block draft: a chain of {chain.drafted} drafted tokens from {S} slots into "
+        drafted = chain.flat.numel()
+        # (the candidates' range is the caller's to check: reading them back here would sync a capture)
+        if not 1 <= drafted or chain.tokens.numel() != drafted + 1 or nodes <= drafted or chain.flat.dtype != torch.long:
+            raise ValueError(f"block draft: {drafted} drafted tokens (int64 candidate indices) into "
                              f"{chain.tokens.numel()} tokens and log rows of {nodes}")
         if tuple(chain.cand.shape) != (steps, S, k) or tuple(chain.cand_logp.shape) != (steps, S, k):
             raise ValueError(f"block draft: the candidate logs must be [{steps}, {S}, {k}]")
-        for t in (chain.tokens, chain.cand, chain.cand_logp, chain.draft_logp):
+        for t in (chain.tokens, chain.flat, chain.cand, chain.cand_logp, chain.draft_logp):
             if not t.is_contiguous() or t.device != self.device:
                 raise ValueError("block draft: the chain's buffers must be contiguous on the kernel's device")
-        return (chain.tokens, chain.drafted, chain.step, chain.cand, chain.cand_logp, chain.draft_logp, steps, nodes,
-                chain.logp_scale)
+        return (chain.tokens, drafted, chain.flat, chain.step, chain.cand, chain.cand_logp, chain.draft_logp, steps,
+                nodes, chain.logp_scale)
 
     def failed(self) -> bool:
         """Whether a barrier gave up waiting since this draft was made (reads the device)."""

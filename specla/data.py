@@ -302,13 +302,14 @@ def load_tokens(corpus: str | Path, split: str) -> np.ndarray:
 # ---------------------------------------------------------------------------- prompts
 
 def heldout_prompts(corpus: str | Path, tokenizer, n: int = 64, prefix_tokens: int = 64,
-                    continuation_tokens: int = 64, seed: int = 0) -> list[dict]:
-    """64-token prefixes of held-out files, each starting at a line chosen by a seeded RNG.
+                    continuation_tokens: int = 64, seed: int = 0, split: str = "heldout") -> list[dict]:
+    """64-token prefixes of held-out files (or of another split's), each starting at a line
+    chosen by a seeded RNG.
 
     `continuation` holds the next tokens of the file, for acceptance studies on real text.
     """
     rng = random.Random(seed)
-    docs = [(rel, text) for rel, text in iter_documents(corpus, "heldout")]
+    docs = [(rel, text) for rel, text in iter_documents(corpus, split)]
     docs.sort(key=lambda d: stable_hash(d[0]))    # a stable order that mixes the groups
     prompts = []
     for i in range(n * 4):

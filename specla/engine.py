@@ -287,7 +287,8 @@ class Engine:
         net = getattr(getattr(drafter, "inner", drafter), "net", None)
         return (type(drafter).__name__, id(net) if net is not None else id(drafter),
                 dataclasses.astuple(_draft_settings(settings, draft_settings)), settings.mode, settings.deferred,
-                _capacity(settings.max_new_tokens), settings.temperature, settings.top_p, _preset_size(drafter))
+                _capacity(settings.max_new_tokens), settings.temperature, settings.top_p,
+                tuple(map(tuple, getattr(drafter, "paths", None) or ())))
 
     def _graphed(self, prompt, drafter, settings, draft_settings, eos) -> Iterator[StepRecord]:
         from specla.drafters.oracle import OracleDrafter
@@ -389,9 +390,8 @@ class Engine:
 
 def _device_blocker(drafter, settings: DecodeSettings, draft_settings: DraftSettings) -> str | None:
     """Why these settings cannot draft on the device (None: they can)."""
-    if getattr(drafter, "paths", None):
-        return "a tree preset (device drafters grow chains, beams and best-first trees)"
-    if settings.mode not in ("auto", "chain", "tree") and draft_settings.tree != "chain":
+    tree = draft_settings.tree != "chain" or getattr(drafter, "paths", None)
+    if settings.mode not in ("auto", "chain", "tree") and tree:
         return f"verification mode {settings.mode!r} (a device-grown tree is verified in tree mode)"
     return None
 

@@ -599,11 +599,17 @@ class Explorer:
         """Keep the verification mode consistent with the tree shape; validate the preset."""
         try:
             parsed = runner.parse_paths(paths)
-            note = "" if parsed is None else (f"Preset: {plural(len(parsed), 'node')}, "
-                                              f"depth {max(len(p) for p in parsed)}.")
+            if parsed == runner.MEASURED:
+                note = "Preset: the drafter's measured tree."
+            else:
+                note = "" if parsed is None else (f"Preset: {plural(len(parsed), 'node')}, "
+                                                  f"depth {max(len(p) for p in parsed)}.")
         except ValueError as err:
             parsed, note = None, f"**Error:** {html.escape(str(err))}"
-        is_chain = (tree == "chain") if parsed is None else all(p == [0] * len(p) for p in parsed)
+        if parsed is None:
+            is_chain = tree == "chain"
+        else:       # a measured preset is a tree
+            is_chain = parsed != runner.MEASURED and all(p == [0] * len(p) for p in parsed)
         choices = list(runner.MODES) if is_chain else [m for m in runner.MODES if m != "chain"]
         if mode not in choices:
             mode = "auto"
@@ -718,7 +724,7 @@ def build_demo(runtime: runner.Runtime, run_fn: Callable | None = None, model_li
                                 info="auto picks per step from the tree's shape")
                 with gr.Column(min_width=220):
                     paths = gr.Textbox(label="Tree preset (optional, overrides the shape)", lines=1,
-                                       placeholder="index paths, e.g. [[0], [0, 0], [1], [0, 1]]")
+                                       placeholder="index paths, e.g. [[0], [0, 0], [1], [0, 1]], or measured")
                     preset_note = gr.Markdown("")
             with gr.Row():
                 top_k = gr.Slider(*rng("top_k"), value=min(D["top_k"], rng("top_k")[1]), step=1,

@@ -321,10 +321,16 @@ def drafter_limits(runtime: Runtime, name: str) -> dict:
 # settings
 
 
-def parse_paths(text: Any) -> list[list[int]] | None:
-    """A Medusa-style tree preset: JSON list of index paths, parents first. '' means none."""
+MEASURED = "measured"       # the preset a drafter's folder holds (`python -m specla.train tree-preset`)
+
+
+def parse_paths(text: Any) -> list[list[int]] | str | None:
+    """A Medusa-style tree preset: JSON list of index paths, parents first. '' means none;
+    "measured" the drafter's own measured preset (resolved by `validate`)."""
     if text is None or (isinstance(text, str) and not text.strip()):
         return None
+    if isinstance(text, str) and text.strip().lower() == MEASURED:
+        return MEASURED
     if isinstance(text, str):
         try:
             paths = json.loads(text)
@@ -345,6 +351,15 @@ def parse_paths(text: Any) -> list[list[int]] | None:
     except TreeError as err:
         raise ValueError(f"tree preset: {err}") from None
     return paths
+
+
+def measured_preset(drafter, name: str) -> list[list[int]]:
+    """The index paths of a drafter's measured tree preset (its drafter.json), or a ValueError."""
+    preset = (getattr(drafter, "meta", None) or {}).get("tree_preset")
+    if not preset:
+        raise ValueError(f"the {name} drafter has no measured tree preset "
+                         "(a block drafter's: python -m specla.train tree-preset)")
+    return parse_paths(preset["paths"])
 
 
 def _number(settings: dict, key: str, kind: type, lo: float, hi: float, optional: bool = False):
@@ -414,6 +429,8 @@ def normalize_settings(runtime: Runtime, settings: dict | None) -> dict:
     if not isinstance(s["deferred"], bool):
         raise ValueError(f"deferred commit must be true or false, got {s['deferred']!r}")
     s["paths"] = parse_paths(s["paths"])
+    if s["paths"] == MEASURED:
+        s["paths"] = measured_preset(runtime.drafters[s["drafter"]], s["drafter"])
     is_chain = s["tree"] == "chain" if s["paths"] is None else all(p == [0] * len(p) for p in s["paths"])
     if s["mode"] == "chain" and not is_chain:
         raise ValueError("chain verification needs a chain draft: pick tree shape 'chain' "
@@ -463,6 +480,10 @@ class PresetShape:
         self.name = getattr(inner, "name", "drafter")
         self.feature_layers = inner.feature_layers
 
+    def settings(self, settings: DraftSettings) -> DraftSettings:
+        """The inner drafter's settings: wide, deep and large enough for every preset path."""
+        return settings.for_preset(self.paths)
+
     def reset(self, *args) -> None:
         self.inner.reset(*args)
 
@@ -470,11 +491,10 @@ class PresetShape:
         self.inner.observe(accepted)
 
     def propose(self, ctx: DraftContext) -> Draft:
-        s = dataclasses.replace(ctx.settings)
-        s.top_k = max(s.top_k, 1 + max(max(p) for p in self.paths))
-        s.depth = max(s.depth, max(len(p) for p in self.paths))
-        s.budget = min(MAX_TREE_NODES - 1, max(s.budget, len(self.paths)))
-        s.block_size = max(s.block_size, 1 + s.depth)
+        if getattr(self.inner, "static_rows", False):     # every preset node, as the device drafts it
+            return self.inner.propose_preset(DraftContext(ctx.root_token, self.settings(ctx.settings), ctx.generator),
+                                             self.paths)
+        s = self.settings(ctx.settings)
         if s.tree == "chain":
             s.tree = "beam"
         draft = self.inner.propose(DraftContext(ctx.root_token, s, ctx.generator))

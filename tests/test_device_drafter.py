@@ -223,6 +223,40 @@ def test_device_draft_decoder_equals_ar_greedy(kind, shape):
     assert accepted_any, "no draft token was ever accepted: the test exercises rejections only"
 
 
+# a preset with branches at depths 1 to 3 and ranks up to 2
+PRESET = [[0], [1], [0, 0], [0, 1], [1, 0], [2], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
+
+
+def test_device_preset_equals_the_host_preset_and_ar():
+    """A tree preset drafted on the device from the block drafter's slot candidates: the same
+    fixed tree each step, its tokens those the host's `PresetShape` proposes, decoding equal
+    to AR greedy, and some step accepting a node off the first children."""
+    import copy
+
+    from specla.decode import speculative_steps
+    from specla.runner import PresetShape
+    target, drafter = pair("block", vocab=16, seed=2)
+    rt = PackedTarget(target)
+    n = 40
+    settings = DraftSettings(tree="chain", block_size=BLOCK, top_k=2, budget=4)
+    dev = DeviceBlockDrafter(drafter, settings, preset=PRESET)
+    assert not dev.dynamic and dev.nodes == len(PRESET) + 1 and dev.top_k == 3 and dev.max_depth == 4
+    assert dev.template().to_index_paths() == PRESET
+    dec = GraphedDecoder(rt, dev, settings, capacity=n + 16, use_graph=False)
+    prompt = prompt_of(9, vocab=16, seed=1)
+    ref = ar_generate(target, prompt, DecodeSettings(max_new_tokens=n)).tokens
+    tokens, accepted, steps = decode(dec, prompt, n)
+    assert tokens[:n] == ref, "device-drafted preset decoding left AR"
+    host = list(speculative_steps(target, PresetShape(copy.copy(drafter), PRESET), prompt,
+                                  DecodeSettings(max_new_tokens=n), settings))
+    assert [h.tree.parents for h in host] == [st.tree.parents for st in steps][:len(host)]
+    assert [h.tree.tokens for h in host] == [st.tree.tokens for st in steps][:len(host)]
+    first = {kids[0] for kids in steps[0].tree.children if kids}
+    assert any(set(st.outcome.path[1:]) - first for st in steps), "no step accepted a node off the first children"
+    with pytest.raises(ValueError, match="depend on the path"):
+        DeviceBlockDrafter(pair("lilicorr")[1], settings, preset=PRESET)
+
+
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="torch.compile on the CPU needs a C++ compiler")
 def test_compiled_block_draft_equals_the_uncompiled_one_on_cpu():
@@ -296,17 +330,18 @@ def gap_at(rt, prompt, tokens, i, want):
     return float(row[want[i]] - row[tokens[i]])
 
 
-def graphed_and_eager(rt, drafter, settings, prompt, n, want, noise=0.0):
+def graphed_and_eager(rt, drafter, settings, prompt, n, want, noise=0.0, preset=None):
     """The same decode graphed and eager (both on the GPU), each against AR's tokens `want`:
     equal to them, or leaving them only at a near-tie (gap <= 3 x noise; fp32: noise 0, so
     any divergence fails). Graph replays reproduce themselves. Returns both (tokens, accepted)."""
     pre = rt.prefill(prompt, drafter.feature_layers)
     runs = {}
     for graphed in (True, False):
-        dec = GraphedDecoder(rt, DeviceBlockDrafter(drafter, settings), settings, capacity=n + 16,
+        dec = GraphedDecoder(rt, DeviceBlockDrafter(drafter, settings, preset=preset), settings, capacity=n + 16,
                              use_graph=graphed)
         # a chain verified in one launch accepts in it too: its acceptance has nothing to capture
         phases = {"verify", "draft"} | (set() if dec.spec.kernel_accept else {"accept"})
+        assert preset is None or dec.spec.kernel_accept, dec.spec.verify_note
         assert (dec.first_graph is not None and set(dec.spec.graphs) == phases) == graphed
         tokens, accepted, _ = decode(dec, prompt, n, pre)
         i = first_mismatch(tokens, want[:n])
@@ -354,6 +389,22 @@ def test_graphed_device_drafter_fp32_equals_graphed_ar_and_eager(kind, shape):
     ar.reset(rt.prefill(prompt)[0], prompt[-1])
     want = ar.decode(n)
     graphed, eager = graphed_and_eager(rt, drafter, settings, prompt, n, want)
+    assert graphed[0][:n] == want and graphed[2] is None
+    assert graphed[0] == eager[0]
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_graphed_preset_fp32_equals_graphed_ar_and_eager():
+    """A tree preset on the GPU: drafted by the persistent draft kernel, verified and accepted
+    in the persistent verification's launch, equal to AR in fp32, graphed and eager."""
+    drafter, rt, ar, settings, prompt = _small_cuda_pair("block")
+    n = 64
+    ar.reset(rt.prefill(prompt)[0], prompt[-1])
+    want = ar.decode(n)
+    dev = DeviceBlockDrafter(drafter, settings, preset=PRESET)
+    assert dev.kernel_chain, dev.draft_note
+    graphed, eager = graphed_and_eager(rt, drafter, settings, prompt, n, want, preset=PRESET)
     assert graphed[0][:n] == want and graphed[2] is None
     assert graphed[0] == eager[0]
 

@@ -55,10 +55,14 @@ def check_block_draft(dtype, device, programs: int | None = None, steps: int = 6
     S, k = dev.slots, dev.top_k
     h, logits = torch.zeros(BLOCK - 1, c.width, device=device, dtype=dtype), torch.zeros(BLOCK - 1, VOCAB, device=device)
     cand, cand_logp = torch.zeros(S, k, dtype=torch.long, device=device), torch.zeros(S, k, device=device)
-    # the greedy chain and its step-log row, written by the kernel into a log of 3 rows
+    # a fixed tree's tokens (slot, rank per node: several per slot, ranks past the top-1) and its
+    # step-log row, written by the kernel into a log of 3 rows
     from kernels.triton_draft_step import ChainOut
-    log_rows, nodes, drafted = 3, BLOCK + 2, S - 1
-    chain = ChainOut(torch.full((drafted + 1,), -7, device=device), drafted, torch.zeros(1, dtype=torch.long, device=device),
+    picks = [(0, 0), (1, 0), (0, 1), (2, 0), (1, 2), (3, 0), (0, 3)]
+    flat = torch.tensor([slot * k + rank for slot, rank in picks], device=device)
+    log_rows, drafted = 3, len(picks)
+    nodes = drafted + 2
+    chain = ChainOut(torch.full((drafted + 1,), -7, device=device), flat, torch.zeros(1, dtype=torch.long, device=device),
                      torch.zeros(log_rows, S, k, dtype=torch.long, device=device), torch.zeros(log_rows, S, k, device=device),
                      torch.full((log_rows, nodes), 9.0, device=device), 0.5)
     tol = 2e-4 if dtype == torch.float32 else 3e-2
@@ -77,10 +81,10 @@ def check_block_draft(dtype, device, programs: int | None = None, steps: int = 6
         kernel(root, result, features if a >= 0 else None, *window, h, logits, cand, cand_logp, chain)
         row = min(step + 1, log_rows - 1)
         want_row = torch.zeros(nodes, device=device)
-        want_row[1:drafted + 1] = cand_logp[:drafted, 0] * 0.5
-        if not (torch.equal(chain.tokens[1:], cand[:drafted, 0]) and torch.equal(chain.cand[row], cand)
+        want_row[1:drafted + 1] = cand_logp.view(-1)[flat] * 0.5
+        if not (torch.equal(chain.tokens[1:], cand.view(-1)[flat]) and torch.equal(chain.cand[row], cand)
                 and torch.equal(chain.cand_logp[row], cand_logp) and torch.equal(chain.draft_logp[row], want_row)):
-            problems.append(f"step {step}: the chain or its log row is not the top-1s and their log-probs")
+            problems.append(f"step {step}: the draft or its log row is not the picked candidates and their log-probs")
         if int(chain.tokens[0]) != -7:
             problems.append(f"step {step}: the chain's root was written")
         checks = {"slot logits": (logits[:S], want_logits[0]), "slot hiddens": (h[:S], want_h[0]),

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from specla.tree import DraftTree
+from specla.tree import MAX_TREE_NODES, DraftTree
 
 
 @dataclasses.dataclass
@@ -24,6 +24,16 @@ class DraftSettings:
     tree: str = "chain"         # chain | beam | best-first
     prune_tau: float | None = None  # confidence pruning: keep cum. logprob >= best - tau
     temperature: float = 0.0
+
+    def for_preset(self, paths) -> "DraftSettings":
+        """These settings widened for a tree preset (index paths, parents first): top-k,
+        depth, budget and block size that hold every path."""
+        s, deepest = dataclasses.replace(self), max(len(p) for p in paths)
+        s.top_k = max(s.top_k, 1 + max(max(p) for p in paths))
+        s.depth = max(s.depth, deepest)
+        s.budget = min(MAX_TREE_NODES - 1, max(s.budget, len(paths)))
+        s.block_size = max(s.block_size, 1 + deepest)
+        return s
 
     def validate(self, vocab_size: int) -> None:
         if not 1 <= self.top_k <= vocab_size:

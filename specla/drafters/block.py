@@ -29,6 +29,7 @@ from specla.cpu_linear import Linear, linear
 from specla.drafters import tree_build
 from specla.drafters.base import Accepted, Draft, DraftContext, DraftSettings
 from specla.model import RMSNorm, inference_cache
+from specla.tree import DraftTree
 
 
 class TargetParts:
@@ -297,6 +298,9 @@ class BlockDrafter:
     """The plain block drafter: trees from the slot marginals (each slot independent)."""
 
     kind = "block"
+    # a node's children are its depth's slot candidates whatever its path: a tree preset's
+    # index path (r1, ..., rd) is slot d's rank-rd candidate (`propose_preset`)
+    static_rows = True
 
     def __init__(self, net: BlockNet, parts: TargetParts, train_top_k: int | None = None):
         self.net = net.eval()
@@ -367,6 +371,21 @@ class BlockDrafter:
         S = self._check(ctx.settings)
         h, logits = self._slots(ctx.root_token)
         return self._draft_from_slots(ctx, h[:S], logits[:S])
+
+    def propose_preset(self, ctx: DraftContext, paths: list[list[int]]) -> Draft:
+        """The tree of a preset's index paths (parents first): the node at (r1, ..., rd) is
+        slot d's rank-rd candidate with its marginal log-prob, every node present."""
+        S = max(len(p) for p in paths)
+        k = max(ctx.settings.top_k, 1 + max(max(p) for p in paths))
+        self._check(dataclasses.replace(ctx.settings, block_size=S + 1, top_k=k))
+        _, logits = self._slots(ctx.root_token)
+        S = max(S, ctx.settings.block_size - 1)
+        top = torch.log_softmax(logits[:S], dim=-1).topk(k, dim=-1)
+        vals, ids = top.values.cpu().tolist(), top.indices.cpu().tolist()
+        tokens = [ctx.root_token] + [ids[len(p) - 1][p[-1]] for p in paths]
+        tree = DraftTree.from_index_paths(paths, tokens)
+        tree.logprobs = [0.0] + [vals[len(p) - 1][p[-1]] for p in paths]
+        return Draft(tree=tree, details={"drafter": self.kind, "slots": {"candidates": ids, "logprobs": vals}})
 
     def _draft_from_slots(self, ctx: DraftContext, h: torch.Tensor, logits: torch.Tensor) -> Draft:
         s = ctx.settings

@@ -286,6 +286,8 @@ class LiLiCorrDrafter(BlockDrafter):
     """Block drafter + LiLiCorr head: chains by the greedy / sampled walk of the head, trees
     by expansion over `tree_rows(..., tree_sharpness)`."""
 
+    static_rows = False         # a child's row is the pair scores under its parent's rank
+
     kind = "lilicorr"
 
     def __init__(self, net: BlockNet, parts: TargetParts, train_top_k: int | None = None,

@@ -52,9 +52,12 @@ class _DeviceDrafter:
     dynamic: bool
 
     def template(self) -> DraftTree:
-        """A chain, or a tree of `nodes` nodes (its parents rewritten on the device each step)."""
+        """A chain, a preset's fixed tree, or a tree of `nodes` nodes (its parents rewritten on
+        the device each step)."""
         if self.shape == "chain":
             return DraftTree.chain([0] * self.nodes)
+        if getattr(self, "preset", None):
+            return DraftTree.from_index_paths(self.preset, [0] * self.nodes)
         return DraftTree([0] * self.nodes, [-1] + [0] * (self.nodes - 1))
 
     def bind(self, log: StepLog) -> None:
@@ -80,7 +83,9 @@ class DeviceBlockDrafter(_DeviceDrafter):
     """A loaded `BlockDrafter` / `LiLiCorrDrafter` drafting from static device buffers.
 
     The settings are the host drafter's (`DraftSettings`): tree shape, top-k, node budget,
-    block size, confidence pruning, temperature. fused_head: run the LiLiCorr
+    block size, confidence pruning, temperature; or a tree preset (`preset`, index paths,
+    the block drafter only): the same tree every step, the node at (r1, ..., rd) slot d's
+    rank-rd candidate, as `BlockDrafter.propose_preset` drafts it. fused_head: run the LiLiCorr
     head and walk, and the block drafter's top-k, as Triton kernels (None: wherever
     `kernels.triton_lilicorr.unsupported` allows, i.e. on CUDA for a supported head shape;
     True: the same, or an error saying why not; False: torch ops). compile: `torch.compile`
@@ -91,8 +96,15 @@ class DeviceBlockDrafter(_DeviceDrafter):
     """
 
     def __init__(self, drafter: BlockDrafter, settings: DraftSettings, compile: bool = False,
-                 fused_head: bool | None = None, persistent: bool | None = None):
+                 fused_head: bool | None = None, persistent: bool | None = None,
+                 preset: list[list[int]] | None = None):
         net, c = drafter.net, drafter.net.config
+        self.preset = [tuple(p) for p in preset] if preset else None
+        if self.preset:
+            if not drafter.static_rows:
+                raise ValueError("a tree preset drafts on the device from the block drafter's slot candidates; "
+                                 f"the {drafter.kind} drafter's candidates depend on the path")
+            settings = settings.for_preset(self.preset)
         settings.validate(drafter.parts.vocab_size)
         self.net, self.parts, self.feature_layers = net, drafter.parts, tuple(drafter.feature_layers)
         why = _block_limits(drafter, settings)
@@ -114,6 +126,13 @@ class DeviceBlockDrafter(_DeviceDrafter):
         self.nodes = tree_nodes(self.shape, self.top_k, self.budget, self.slots)
         self.max_depth = min(self.slots, self.budget)           # the deepest draft it grows
         self.dynamic = self.shape != "chain"
+        if self.preset:
+            self.shape, self.dynamic = "preset", False
+            self.nodes, self.max_depth = len(self.preset) + 1, max(len(p) for p in self.preset)
+        # node j + 1 of a chain or a preset is candidate flat[j] of the [slots, k] top-k table
+        picks = [(len(p) - 1, p[-1]) for p in self.preset] if self.preset else [(j, 0) for j in range(self.nodes - 1)]
+        self.flat = torch.tensor([slot * self.top_k + rank for slot, rank in picks], device=net.fc.weight.device)
+        self.preset_parents = torch.tensor(self.template().parents, device=net.fc.weight.device)
         w = net.fc.weight
         W, dev = c.window, w.device
         self.window, self.device = W, dev
@@ -143,7 +162,7 @@ class DeviceBlockDrafter(_DeviceDrafter):
         self.no_path = torch.tensor([-1, 0, 0], device=dev)      # a result that appends nothing
         self.kernel, self.draft_note = block_draft_for(self, persistent)
         # the block drafter's greedy chain (its top-1s) and its log row, written by the kernel too
-        self.kernel_chain = (self.kernel is not None and self.shape == "chain" and self.prune_tau is None
+        self.kernel_chain = (self.kernel is not None and self.shape in ("chain", "preset") and self.prune_tau is None
                              and not self.lilicorr and not self.samples_chains)
         if self.kernel is not None:
             self.k_h = torch.zeros(c.block_size - 1, c.width, device=dev, dtype=w.dtype)
@@ -317,6 +336,11 @@ class DeviceBlockDrafter(_DeviceDrafter):
     def choose(self, root: torch.Tensor, scores: dict[str, torch.Tensor]) -> GrownTree:
         """The draft from the scores: the host drafter's chain or tree for these settings."""
         cand, cand_logp = scores["cand"], scores["cand_logp"]
+        if self.preset:
+            dev = root.device
+            return GrownTree(torch.cat([root, cand.reshape(-1).index_select(0, self.flat)]), self.preset_parents,
+                             torch.cat([torch.zeros(1, device=dev), cand_logp.reshape(-1).index_select(0, self.flat)]),
+                             torch.ones(self.nodes, dtype=torch.bool, device=dev))
         if self.shape == "chain" and self.prune_tau is None:
             n = self.nodes - 1
             if self.lilicorr:        # the greedy walk, with each pick's tree-search log-prob
@@ -358,7 +382,7 @@ class DeviceBlockDrafter(_DeviceDrafter):
             self.propose_from(spec, self.kernel_scores(spec.state.root, result, features))
             return
         from kernels.triton_draft_step import ChainOut
-        chain = ChainOut(spec.tokens[0], self.nodes - 1, spec.state.step, self.log["cand"], self.log["cand_logp"],
+        chain = ChainOut(spec.tokens[0], self.flat, spec.state.step, self.log["cand"], self.log["cand_logp"],
                          spec.state.log.draft_logp, 0.0 if self.single_candidate else 1.0)
         self.kernel(spec.state.root, result, features, self.ctx, self.valid, self.kv_stack, self.k_h, self.k_logits,
                     self.k_cand, self.k_cand_logp, chain)
@@ -675,13 +699,21 @@ def device_drafter_for(drafter, settings: DraftSettings, compile: bool = False,
         if why is not None or check_only:
             return None, why
         return DeviceNgramDrafter(drafter, settings, drafter.device if device is None else device, compile), None
+    preset = getattr(drafter, "paths", None)
+    if preset:          # a tree preset (`specla.runner.PresetShape`): fixed trees of the block drafter's candidates
+        drafter = drafter.inner
+        if not getattr(drafter, "static_rows", False):
+            name = getattr(drafter, "name", type(drafter).__name__)
+            return None, (f"a tree preset over the {name} drafter (on the device, presets take the block "
+                          "drafter's slot candidates)")
+        settings = settings.for_preset(preset)
     if not isinstance(drafter, BlockDrafter):
         name = getattr(drafter, "name", type(drafter).__name__)
         return None, f"the {name} drafter has no device version yet"
     why = _block_limits(drafter, settings)
     if why is not None or check_only:
         return None, why
-    return DeviceBlockDrafter(drafter, settings, compile, fused_head), None
+    return DeviceBlockDrafter(drafter, settings, compile, fused_head, preset=preset), None
 
 
 def _block_limits(drafter: BlockDrafter, settings: DraftSettings) -> str | None:

@@ -15,6 +15,7 @@ COMMANDS = {
     "target": ("specla.train.target", "main", "train the Gated DeltaNet target and export it"),
     "card": ("specla.train.target", "card_main", "write the model card from a training summary"),
     "drafter": ("specla.train.drafter", "main", "train a drafter for the target"),
+    "tree-preset": ("specla.train.tree_preset", "main", "measure a block drafter's best fixed draft tree"),
 }
 
 
