@@ -7,6 +7,7 @@
 # whole-step (the persistent AR step's GPU tests, launch counts and speed, the barrier's cost),
 # chain-verify (the persistent chain verification's GPU tests, launch counts and speed, engine exactness),
 # draft-step (the same for the persistent block draft), chain-accept (the same for acceptance in the verification's launch),
+# tree-preset (the same for trees in the verification's launch and the block drafter's measured preset),
 # app (benchmarks/app_vs_bench.py: the real app over HTTP against the bench's rows; options in APP_ARGS,
 # cases named without spaces, e.g. --cases block_chain,lilicorr_best-first_16), launch-counts (kernels per step body),
 # projection-sweep (benchmarks/bench_kernels.py --only projection), gemv (--only gemv), parallel (--only parallel,pdl), ops-compare (fla against the fused projections,
@@ -118,6 +119,19 @@ for stage in "$@"; do
         or (graphed_spec_equals_ar_fp32 and cuda) or (oracle_realignment and cuda) or bf16_diverges" \
         > "$R/gpu_tests_engine.txt" 2>&1
       tail -2 "$R/gpu_tests_engine.txt" ;;
+    tree-preset) # trees verified and accepted in the verification's launch, and the block drafter's measured preset
+      # drafted in the draft's (issue #15): the kernels' GPU tests, launches and speed on held-out prompts, exactness
+      timeout "${T_PRESET_TESTS:-260}" python3 -m pytest -v -p no:cacheprovider tests/test_verify_step.py \
+        tests/test_chain_accept.py tests/test_draft_step.py -k "not interpreter and (tree or accept or block_draft)" \
+        > "$R/gpu_tests_tree.txt" 2>&1
+      tail -2 "$R/gpu_tests_tree.txt"
+      timeout "${T_PRESET_SPEED:-230}" python3 benchmarks/launch_counts.py --out "$R/lc_preset" --ops fused \
+        --preset measured --speed-prompts data/corpus/heldout_prompts.jsonl --speed-limit 3 --tokens 128 \
+        2>&1 | tee "$R/log_lc_preset.txt"
+      timeout "${T_PRESET_ENGINE:-200}" python3 -m pytest -v -p no:cacheprovider tests/test_device_drafter.py \
+        tests/test_gpu_runtime.py -m gpu -k "preset or (graphed_spec_with_fused and tree)" \
+        > "$R/gpu_tests_preset_engine.txt" 2>&1
+      tail -2 "$R/gpu_tests_preset_engine.txt" ;;
     speedup) # the model-free drafter beside the trained ones, on both prompt sets (needs data/corpus/*_prompts.jsonl)
       timeout "${T_SPEEDUP:-240}" python3 benchmarks/run_acceptance.py --speedup --device cuda --limit 8 \
         --max-new-tokens 128 --out "$R" --name speedup_h200 --rows ${SPEEDUP_ROWS:-ngram:chain:1:8:depth=8 \
