@@ -110,13 +110,31 @@ def test_plan_says_where_a_step_runs(cpu_pair):
     assert graphed.plan(drafters["block"], sampled, SHAPES["chain"]) == Plan("graphed", "device", "device")
     assert graphed.plan(drafters["eagle"], greedy, SHAPES["best-first"]).drafting == "device"
     from specla.runner import PresetShape
-    plan = graphed.plan(PresetShape(drafters["block"], [[0], [1], [0, 0]]), greedy, SHAPES["chain"])
+    # a preset of the block drafter's candidates drafts on the device; over candidates that
+    # depend on the path (LiLiCorr) on the host
+    preset = [[0], [1], [0, 0]]
+    assert graphed.plan(PresetShape(drafters["block"], preset), greedy, SHAPES["chain"]).drafting == "device"
+    plan = graphed.plan(PresetShape(drafters["lilicorr"], preset), greedy, SHAPES["chain"])
     assert plan.drafting == "host" and "preset" in plan.note
-    plan = graphed.plan(PresetShape(drafters["block"], [[0], [1], [0, 0]]), sampled, SHAPES["chain"])
+    plan = graphed.plan(PresetShape(drafters["lilicorr"], preset), sampled, SHAPES["chain"])
     assert (plan.drafting, plan.acceptance) == ("host", "host")
     assert Engine(target, "eager").plan(drafters["block"], greedy, SHAPES["chain"]).backend == "eager"
     with pytest.raises(ValueError, match="backend"):
         Engine(target, "fast")
+
+
+def test_measured_preset_graphed_equals_eager(cpu_pair):
+    """The block drafter's measured preset (drafter.json): drafted on the device by the graphed
+    backend, every step's tree, path and bonus equal the eager loop's host drafter."""
+    from specla.runner import PresetShape, measured_preset
+
+    target, drafters, prompts = cpu_pair
+    eager, graphed = Engine(target, "eager"), Engine(target, "graphed", use_graph=False)
+    preset = PresetShape(drafters["block"], measured_preset(drafters["block"], "block"))
+    settings = DecodeSettings(max_new_tokens=24)
+    assert graphed.plan(preset, settings, SHAPES["chain"]).drafting == "device"
+    records, _ = compare(eager, graphed, prompts[1], preset, settings, SHAPES["chain"])
+    assert all(len(r.tree) == len(preset.paths) + 1 for r in records)
 
 
 def test_host_sampling_equals_eager_sampling(cpu_pair):
@@ -128,7 +146,7 @@ def test_host_sampling_equals_eager_sampling(cpu_pair):
     eager, graphed = Engine(target, "eager"), Engine(target, "graphed", use_graph=False)
     preset = [[0], [1], [0, 0], [0, 0, 0]]
     settings = DecodeSettings(max_new_tokens=20, temperature=0.8, seed=3)
-    runs = [[t for r in engine.speculate(prompts[0], PresetShape(drafters["block"], preset), settings, SHAPES["chain"])
+    runs = [[t for r in engine.speculate(prompts[0], PresetShape(drafters["lilicorr"], preset), settings, SHAPES["chain"])
              for t in r.new_tokens] for engine in (eager, graphed)]
     assert runs[0] == runs[1]
 
