@@ -1,12 +1,15 @@
-"""A draft chain's whole verification forward of a narrow GDN target in one persistent
-Triton launch: `chain_verify_step_ref` in `kernels/reference.py`.
+"""A draft chain's (or tree's) whole verification forward of a narrow GDN target in one
+persistent Triton launch: `chain_verify_step_ref` in `kernels/reference.py`.
 
 Why: verifying the embedded model's chain of 8 nodes took 45 launches and ~168 us on the
 H200, 2 AR steps, where the bytes it moves take a few microseconds
 (benchmarks/results/h200/session15/). The persistent AR step (`triton_decode_step.py`)
 showed the launch boundary is not the only cost: every dependent phase is. So this kernel
 keeps the AR step's phase structure and runs it over all N nodes at once, with the
-recurrence in the parallel (tree-masked UT) form for a chain, so N nodes cost one phase:
+recurrence in the parallel (tree-masked UT) form, so N nodes cost one phase. A tree's
+parents and conv windows are read from the device at every call (a graph serves every tree
+of its size). The tiles hold 16 rows either way, so a tree of 16 nodes took 168 us with
+acceptance on the H200 against 158 for a chain of 8 (benchmarks/results/h200/session18/, 19/):
 
     first      the nodes' embeddings (the root read from the device)
     per layer  A   residual add + RMSNorm + input projection, N rows (tl.dot); a unit holds
@@ -332,7 +335,7 @@ def _dot_block_n(N: int, programs: int) -> int:
 
 
 class PersistentChainVerify:
-    """One launch verifies a draft chain of `nodes` tokens for a GDN model of heads [K, V]
+    """One launch verifies a draft chain (or tree) of `nodes` tokens for a GDN model of heads [K, V]
     and one gated output: the weights, the scratch rows and the barrier counter, made once
     (a CUDA graph holds their addresses). `feature_layers` are the layers whose outputs a
     drafter reads (in layer order); `programs` defaults to the device's SM count. The

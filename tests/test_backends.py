@@ -151,7 +151,7 @@ def test_host_sampling_equals_eager_sampling(cpu_pair):
     assert runs[0] == runs[1]
 
 
-SAMPLING_CASES = [("block", "chain"), ("block", "best-first"), ("eagle", "chain")]
+SAMPLING_CASES = [("block", "chain"), ("block", "best-first"), ("block", "preset"), ("eagle", "chain")]
 
 
 def device_sampling_chi2(kind: str, shape: str, device: str) -> tuple[float, float]:
@@ -174,6 +174,9 @@ def device_sampling_chi2(kind: str, shape: str, device: str) -> tuple[float, flo
     # head_dim 8 is below what the Triton verify kernels take: the torch recurrence on the GPU
     engine = Engine(target, "graphed", use_graph=None if device == "cuda" else False,
                     recurrence="torch" if device == "cuda" else "kernels")
+    if shape == "preset":           # a fixed tree of the block drafter's candidates, drafted on the device
+        from specla.runner import PresetShape
+        drafter, shape = PresetShape(drafter, [[0], [1], [0, 0], [0, 1], [0, 0, 0]]), "chain"
     ds = DraftSettings(tree=shape, top_k=2, budget=3, block_size=4, depth=3)
     counts = torch.zeros_like(expected)
     for seed in range(n):

@@ -112,7 +112,8 @@ class DeviceBlockDrafter(_DeviceDrafter):
             raise ValueError(why)
         self.settings = settings
         self.slots = settings.block_size - 1                 # slots of the block pass / lattice
-        self.shape, self.budget, self.prune_tau = settings.tree, settings.budget, settings.prune_tau
+        self.shape = "preset" if self.preset else settings.tree
+        self.budget, self.prune_tau = settings.budget, settings.prune_tau
         # at temperature > 0 a chain is drawn from the drafter's distribution (its rows are the
         # proposal the acceptance needs); a tree keeps its top-k candidates (point masses)
         self.temperature = settings.temperature
@@ -123,12 +124,12 @@ class DeviceBlockDrafter(_DeviceDrafter):
         self.sharpness = getattr(drafter, "tree_sharpness", None)
         self.top_k = settings.top_k
         self.kind = "lilicorr" if self.lilicorr else "block"
-        self.nodes = tree_nodes(self.shape, self.top_k, self.budget, self.slots)
-        self.max_depth = min(self.slots, self.budget)           # the deepest draft it grows
-        self.dynamic = self.shape != "chain"
         if self.preset:
-            self.shape, self.dynamic = "preset", False
             self.nodes, self.max_depth = len(self.preset) + 1, max(len(p) for p in self.preset)
+        else:
+            self.nodes = tree_nodes(self.shape, self.top_k, self.budget, self.slots)
+            self.max_depth = min(self.slots, self.budget)           # the deepest draft it grows
+        self.dynamic = self.shape not in ("chain", "preset")
         # node j + 1 of a chain or a preset is candidate flat[j] of the [slots, k] top-k table
         picks = [(len(p) - 1, p[-1]) for p in self.preset] if self.preset else [(j, 0) for j in range(self.nodes - 1)]
         self.flat = torch.tensor([slot * self.top_k + rank for slot, rank in picks], device=net.fc.weight.device)
@@ -162,8 +163,8 @@ class DeviceBlockDrafter(_DeviceDrafter):
         self.no_path = torch.tensor([-1, 0, 0], device=dev)      # a result that appends nothing
         self.kernel, self.draft_note = block_draft_for(self, persistent)
         # the block drafter's greedy chain (its top-1s) and its log row, written by the kernel too
-        self.kernel_chain = (self.kernel is not None and self.shape in ("chain", "preset") and self.prune_tau is None
-                             and not self.lilicorr and not self.samples_chains)
+        self.kernel_chain = (self.kernel is not None and not self.lilicorr and not self.samples_chains and (
+            self.shape == "preset" or (self.shape == "chain" and self.prune_tau is None)))
         if self.kernel is not None:
             self.k_h = torch.zeros(c.block_size - 1, c.width, device=dev, dtype=w.dtype)
             self.k_logits = torch.zeros(c.block_size - 1, self.parts.vocab_size, device=dev)
