@@ -124,9 +124,7 @@ def drafter_for(runtime, engine, prompt: list[int], settings: DecodeSettings, ar
     entry = runtime.drafters[args.drafter]
     if hasattr(entry, "propose"):
         if args.preset:     # a tree preset over the drafter ("measured": the drafter's own)
-            paths = runner.parse_paths(args.preset)
-            paths = runner.measured_preset(entry, args.drafter) if paths == runner.MEASURED else paths
-            return runner.PresetShape(entry, paths)
+            return runner.PresetShape(entry, runner.preset_paths(args.preset, entry, args.drafter))
         return entry
     s = runner.normalize_settings(runtime, {"drafter": args.drafter, "oracle_alpha": args.alpha, "tree": args.tree,
                                             "budget": args.budget, "max_new_tokens": settings.max_new_tokens})

@@ -353,6 +353,12 @@ def parse_paths(text: Any) -> list[list[int]] | str | None:
     return paths
 
 
+def preset_paths(text: Any, drafter, name: str) -> list[list[int]] | None:
+    """`parse_paths`, with "measured" resolved to the drafter's own measured preset."""
+    paths = parse_paths(text)
+    return measured_preset(drafter, name) if paths == MEASURED else paths
+
+
 def measured_preset(drafter, name: str) -> list[list[int]]:
     """The index paths of a drafter's measured tree preset (its drafter.json), or a ValueError."""
     preset = (getattr(drafter, "meta", None) or {}).get("tree_preset")
@@ -428,9 +434,7 @@ def normalize_settings(runtime: Runtime, settings: dict | None) -> dict:
     s["oracle_alpha"] = _number(s, "oracle_alpha", float, 0.0, 1.0)
     if not isinstance(s["deferred"], bool):
         raise ValueError(f"deferred commit must be true or false, got {s['deferred']!r}")
-    s["paths"] = parse_paths(s["paths"])
-    if s["paths"] == MEASURED:
-        s["paths"] = measured_preset(runtime.drafters[s["drafter"]], s["drafter"])
+    s["paths"] = preset_paths(s["paths"], runtime.drafters[s["drafter"]], s["drafter"])
     is_chain = s["tree"] == "chain" if s["paths"] is None else all(p == [0] * len(p) for p in s["paths"])
     if s["mode"] == "chain" and not is_chain:
         raise ValueError("chain verification needs a chain draft: pick tree shape 'chain' "

@@ -375,12 +375,10 @@ class BlockDrafter:
     def propose_preset(self, ctx: DraftContext, paths: list[list[int]]) -> Draft:
         """The tree of a preset's index paths (parents first): the node at (r1, ..., rd) is
         slot d's rank-rd candidate with its marginal log-prob, every node present."""
-        S = max(len(p) for p in paths)
-        k = max(ctx.settings.top_k, 1 + max(max(p) for p in paths))
-        self._check(dataclasses.replace(ctx.settings, block_size=S + 1, top_k=k))
+        settings = ctx.settings.for_preset(paths)
+        S = self._check(settings)
         _, logits = self._slots(ctx.root_token)
-        S = max(S, ctx.settings.block_size - 1)
-        top = torch.log_softmax(logits[:S], dim=-1).topk(k, dim=-1)
+        top = torch.log_softmax(logits[:S], dim=-1).topk(settings.top_k, dim=-1)
         vals, ids = top.values.cpu().tolist(), top.indices.cpu().tolist()
         tokens = [ctx.root_token] + [ids[len(p) - 1][p[-1]] for p in paths]
         tree = DraftTree.from_index_paths(paths, tokens)

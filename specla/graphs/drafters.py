@@ -133,7 +133,8 @@ class DeviceBlockDrafter(_DeviceDrafter):
         # node j + 1 of a chain or a preset is candidate flat[j] of the [slots, k] top-k table
         picks = [(len(p) - 1, p[-1]) for p in self.preset] if self.preset else [(j, 0) for j in range(self.nodes - 1)]
         self.flat = torch.tensor([slot * self.top_k + rank for slot, rank in picks], device=net.fc.weight.device)
-        self.preset_parents = torch.tensor(self.template().parents, device=net.fc.weight.device)
+        self.preset_parents = (torch.tensor(self.template().parents, device=net.fc.weight.device)
+                               if self.preset else None)
         w = net.fc.weight
         W, dev = c.window, w.device
         self.window, self.device = W, dev

@@ -331,7 +331,7 @@ class GraphedSpec:
             if self.chain_verify is None:
                 self.verify_note += f" ({why})"
             else:
-                self.verify_note = why if tree.is_chain else why.replace("a chain's", "a tree's")
+                self.verify_note = f"{'a chain' if tree.is_chain else 'a tree'}'s {why}"
         # greedy acceptance in the same launch (its commit deferred), unless the host or sampling accepts
         if fused_accept is None:
             from specla.graphs.whole_step import FUSED_ACCEPT as fused_accept

@@ -124,7 +124,7 @@ def chain_verify_for(packed, nodes: int, feature_layers: tuple[int, ...], deferr
         problem = f"{type(err).__name__}: {err}"
     if problem:
         return None, f"chain-verify kernel unusable: {problem}"
-    return verifier, f"a chain's verification as one persistent launch ({verifier.programs} programs)"
+    return verifier, f"verification as one persistent launch ({verifier.programs} programs)"
 
 
 @torch.no_grad()
