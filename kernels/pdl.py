@@ -81,3 +81,21 @@ def grid_wait(counter, target, status):
     if seen < target:
         tl.store(status, 1)
     tl.debug_barrier()
+
+
+@triton.jit
+def stamp(times, phase, pid, programs, TIMED: tl.constexpr):
+    """(TIMED, benchmarks only) this program's end of `phase` in ns of the GPU's global timer."""
+    if TIMED:
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                        pack=1)
+        tl.store(times + phase * programs + pid, now)
+
+
+def phase_us(times: torch.Tensor, phases: int) -> list[float]:
+    """Each phase's µs in the last timed call of a persistent kernel (`stamp`'s [phases, programs]
+    ends): the last program's end of it minus the last program's end of the phase before (the
+    first phase's, from the first end of all)."""
+    ends = times[:phases].max(dim=1).values.double()
+    starts = torch.cat([times[:phases].min().view(1).double(), ends[:-1]])
+    return ((ends - starts) / 1e3).tolist()

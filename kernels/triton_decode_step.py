@@ -38,7 +38,7 @@ import triton.language as tl
 
 from kernels.reference import DecodeWeights
 from kernels.triton_conv_gates import (_head_queries_and_gates, _shift_window, _state_tile_step)
-from kernels.pdl import grid_arrive, grid_wait
+from kernels.pdl import grid_arrive, grid_wait, phase_us, stamp
 from kernels.triton_projection import DEFAULT_SMS, _gemv_slice
 
 @triton.jit
@@ -87,13 +87,14 @@ def _greedy_token(logits, vocab, next_token, out, count, max_out, BLOCK: tl.cons
 def _decode_step_kernel(
         token, embed, zeros, attn_norm, w_in, conv_w, conv_b, neg_A, dt_bias, o_norm, w_o, mlp_norm, w_gu,
         w_down, final_norm, lm_head, cache, S, logits, next_token, out, count, max_out,
-        res_a, res_b, x_buf, y_in, o_buf, gu_buf, counter, status, eps, scale,
+        res_a, res_b, x_buf, y_in, o_buf, gu_buf, counter, status, times, eps, scale,
         L: tl.constexpr, D: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
         W: tl.constexpr, I: tl.constexpr, VOCAB: tl.constexpr, HAS_BIAS: tl.constexpr,
         NEG_EIGVAL: tl.constexpr, SWISH: tl.constexpr, GREEDY: tl.constexpr,
         BN_IN: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr,
         BN_HEAD: tl.constexpr, BK_D: tl.constexpr, BK_O: tl.constexpr, BK_I: tl.constexpr,
-        BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr, VEC: tl.constexpr):
+        BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr, VEC: tl.constexpr,
+        TIMED: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     dtype = w_in.dtype.element_ty
@@ -113,6 +114,7 @@ def _decode_step_kernel(
             src = (x_buf, 0, res_b, 0, res_a, zeros, 0, attn_norm + l * D)
         _projection_phase(src, w_in + l * N_IN * D, y_in, N_IN, D, eps, pid, programs,
                           (counter, phase * programs, status), dtype, 0, True, SWISH, 1, BN_IN, BK_D, VEC)
+        stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1
 
@@ -127,6 +129,7 @@ def _decode_step_kernel(
                 dt_bias + l * H, h, scale, H, K, W, BK, BW, HAS_BIAS, NEG_EIGVAL)
             _state_tile_step(y_in, cache_l + 1, W, conv_w + l * C * W, conv_b + l * C, S + l * H * K * V,
                              o_buf, q, k, decay, beta, h, (unit // H) * BV, H, K, V, W, BK, BV, BW, HAS_BIAS)
+        stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1
 
@@ -139,6 +142,7 @@ def _decode_step_kernel(
         for c0 in range(pid * BC, C, programs * BC):
             channels = c0 + tl.arange(0, BC)
             _shift_window(cache_l, W, y_in, channels, channels < C, o_w, o_w < W, W)
+        stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1
 
@@ -146,6 +150,7 @@ def _decode_step_kernel(
         src = (x_buf, 0, res_a, 0, res_b, zeros, 0, mlp_norm + l * D)
         _projection_phase(src, w_gu + l * 2 * I * D, gu_buf, 2 * I, D, eps, pid, programs,
                           (counter, phase * programs, status), dtype, 0, True, SWISH, 1, BN_GU, BK_D, VEC)
+        stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1
 
@@ -153,6 +158,7 @@ def _decode_step_kernel(
         src = (gu_buf, 0, zeros, 0, zeros, zeros, 0, zeros)
         _projection_phase(src, w_down + l * D * I, x_buf, D, I, eps, pid, programs,
                           (counter, phase * programs, status), dtype, 2, False, SWISH, 1, BN_DOWN, BK_I, VEC)
+        stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1
 
@@ -167,12 +173,14 @@ def _decode_step_kernel(
         tl.store(logits + cols[None, :], acc, mask=c_mask[None, :])
     if pid >= tl.cdiv(VOCAB, BN_HEAD):
         grid_wait(counter, phase * programs, status)
+    stamp(times, phase, pid, programs, TIMED)
     grid_arrive(counter)
     phase += 1
     if GREEDY:
         if pid == 0:
             grid_wait(counter, phase * programs, status)
             _greedy_token(logits, VOCAB, next_token, out, count, max_out, 1024)
+        stamp(times, phase, pid, programs, TIMED)
     # the last arrival re-arms the counter: every program has left every wait by then
     last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if last == (phase + 1) * programs - 1:
@@ -215,7 +223,7 @@ class PersistentDecodeStep:
     their addresses). `programs` defaults to the device's SM count."""
 
     def __init__(self, weights: DecodeWeights, num_heads: int, head_dim: int, head_v_dim: int, eps: float,
-                 swish: bool = True, neg_eigval: bool = False, programs: int | None = None):
+                 swish: bool = True, neg_eigval: bool = False, programs: int | None = None, timed: bool = False):
         wt, dev = weights, weights.w_in.device
         H, K, V = num_heads, head_dim, head_v_dim
         L, N_in, D, C, W, I = check_decode_weights(wt, H, K, V, "decode step")
@@ -231,6 +239,9 @@ class PersistentDecodeStep:
         self.gate_up = torch.zeros(2 * I, device=dev, dtype=self.dtype)
         self.counter = torch.zeros(1, device=dev, dtype=torch.int32)
         self.status = torch.zeros(1, device=dev, dtype=torch.int32)
+        # (benchmarks) when each program ends each phase: 5 a layer, the head, the greedy pick
+        self.times = torch.zeros(5 * L + 2, self.programs, device=dev, dtype=torch.int64) if timed else None
+        self.phases = 5 * L + 1
         P, elem = self.programs, wt.w_in.element_size()
         bk = lambda k, head=1: max(head, 16, min(triton.next_power_of_2(k), 1024 // elem))  # noqa: E731
         bn = lambda n, k: _block_n(n, P, k, elem)  # noqa: E731
@@ -258,9 +269,16 @@ class PersistentDecodeStep:
             wt.conv_b if wt.conv_b is not None else wt.conv_w, wt.neg_A, wt.dt_bias, wt.o_norm, wt.w_o,
             wt.mlp_norm, wt.w_gate_up, wt.w_down, wt.final_norm, wt.lm_head, cache, S, logits,
             next_token, out, count, out.numel(), self.res_a, self.res_b, self.x, self.y_in, self.o,
-            self.gate_up, self.counter, self.status, self.eps, self.scale, **s,
+            self.gate_up, self.counter, self.status, self.times if self.times is not None else self.counter,
+            self.eps, self.scale, **s, TIMED=self.times is not None,
             HAS_BIAS=wt.conv_b is not None, NEG_EIGVAL=self.neg_eigval, SWISH=self.swish,
             GREEDY=greedy is not None, **self.blocks, num_warps=4)
+        self.phases = 5 * s["L"] + (2 if greedy is not None else 1)
+
+    def phase_us(self) -> list[float]:
+        """(timed) Each phase's µs in the last call (`kernels.pdl.phase_us`): A-E of each layer,
+        the LM head, and (greedy) the pick."""
+        return phase_us(self.times, self.phases)
 
     def failed(self) -> bool:
         """Whether a barrier gave up waiting since this step was made (reads the device)."""

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import grid_arrive, grid_wait
+from kernels.pdl import grid_arrive, grid_wait, phase_us, stamp
 from kernels.reference import DecodeWeights
 from kernels.triton_chain_accept import ChainAccept, _accept_phase, _node_stats, accept_tiles
 from kernels.triton_conv_gates import _log_decay_and_beta
@@ -182,15 +182,6 @@ def _in_proj_conv_phase(src, w_in, y_in, N_IN, M, D, eps, pid, programs, sync, w
 
 
 @triton.jit
-def _stamp(times, phase, pid, programs, TIMED: tl.constexpr):
-    """(TIMED, benchmarks only) this program's end of `phase` in ns of the GPU's global timer."""
-    if TIMED:
-        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
-                                        pack=1)
-        tl.store(times + phase * programs + pid, now)
-
-
-@triton.jit
 def _copy_rows(src, dst, dst_stride, M, pid, programs, D: tl.constexpr, BD: tl.constexpr):
     """dst[r, :D] = src[r, :D] for r < M, rows dealt round-robin (src rows contiguous)."""
     o_d = tl.arange(0, BD)
@@ -229,7 +220,7 @@ def _chain_verify_kernel(
         tl.store(x_emb + r * D + o_d, tl.load(embed + tok * D + o_d, mask=o_d < D), mask=o_d < D)
     if pid == 0:
         tl.store(tokens, tl.load(root))       # acceptance reads the verified tokens, root included
-    _stamp(times, 0, pid, programs, TIMED)
+    stamp(times, 0, pid, programs, TIMED)
     grid_arrive(counter)
     # each phase's programs arrive when their stores are done; the next phase waits for all
     # arrivals so far (`phase` of them each), as in the persistent AR step
@@ -247,7 +238,7 @@ def _chain_verify_kernel(
                             conv_b + l * C, neg_A + l * H, dt_bias + l * H, q_s, k_f + l * N * H * K, v_s,
                             g_f + l * N * H, beta_s, conv_in_f + l * N * C, features, feat_row, F, scale, dtype,
                             SWISH, DOT, H, K, V, W, HAS_BIAS, NEG_EIGVAL, BM, BN_IN, BK_IN, BD, BH_IN)
-        _stamp(times, phase, pid, programs, TIMED)
+        stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1
 
@@ -259,7 +250,7 @@ def _chain_verify_kernel(
                            o_buf, delta_f + l * N * H * V, H * K * V, K * V, V, 1,
                            pk + l * P * H * K, pd + l * P * H * V, pg + l * P * H, P, N,
                            unit % tiles, unit // tiles, H, K, V, 16, PBK, PBV, CHAIN, HAS_PENDING, "ieee")
-        _stamp(times, phase, pid, programs, TIMED)
+        stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1
 
@@ -267,7 +258,7 @@ def _chain_verify_kernel(
         src = (o_buf, H * V, zeros, 0, zeros, y_in + C, N_IN, o_norm + l * V)
         _rows_phase(src, w_o + l * D * H * V, x_buf, D, N, D, H * V, eps, pid, programs,
                     (counter, phase * programs, status), dtype, 1, False, SWISH, V, DOT, BM, BN_O, BK_O, SPLIT_O, sums)
-        _stamp(times, phase, pid, programs, TIMED)
+        stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1
 
@@ -275,7 +266,7 @@ def _chain_verify_kernel(
         src = (x_buf, D, res_a, D, res_b, zeros, 0, mlp_norm + l * D)
         _rows_phase(src, w_gu + l * 2 * I * D, gu_buf, 2 * I, N, 2 * I, D, eps, pid, programs,
                     (counter, phase * programs, status), dtype, 0, True, SWISH, 1, DOT, BM, BN_GU, BK_D, 1, sums)
-        _stamp(times, phase, pid, programs, TIMED)
+        stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1
 
@@ -283,7 +274,7 @@ def _chain_verify_kernel(
         src = (gu_buf, 2 * I, zeros, 0, zeros, zeros, 0, zeros)
         _rows_phase(src, w_down + l * D * I, x_buf, D, N, D, I, eps, pid, programs,
                     (counter, phase * programs, status), dtype, 2, False, SWISH, 1, DOT, BM, BN_DOWN, BK_I, SPLIT_DOWN, sums)
-        _stamp(times, phase, pid, programs, TIMED)
+        stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1
 
@@ -302,14 +293,14 @@ def _chain_verify_kernel(
         if last_slot >= 0:
             summed = _summed_input(src, row, ok, o_d, d_mask, True)
             tl.store(features + (r * F + last_slot) * D + o_d[None, :], summed.to(dtype), mask=d_mask[None, :])
-    _stamp(times, phase, pid, programs, TIMED)
+    stamp(times, phase, pid, programs, TIMED)
     if ACCEPT:      # greedy acceptance (`triton_chain_accept.py`): two more phases
         grid_arrive(counter)
         phase += 1
         grid_wait(counter, phase * programs, status)
         for r in range(pid, N, programs):
             _node_stats(logits, tokens, parents, choice_s, prob_s, r, N, VOCAB, BVOC, BNODES)
-        _stamp(times, phase, pid, programs, TIMED)
+        stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1
         grid_wait(counter, phase * programs, status)
@@ -317,7 +308,7 @@ def _chain_verify_kernel(
                       prob_s, N, P, pos, step, out, out_len, acc, acc_len, last, result, log_tokens, log_parents,
                       log_choice, log_prob, log_result, log_steps, log_nodes, cont, cont_len, div, gap, pid, programs,
                       L, H, K, V, W, VOCAB, ORACLE, BNODES, BP, BC, BW, BHK, BHV, BH, CHAIN)
-        _stamp(times, phase, pid, programs, TIMED)
+        stamp(times, phase, pid, programs, TIMED)
     # the last arrival re-arms the counter: every program has left every wait by then
     last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if last == (phase + 1) * programs - 1:
@@ -475,11 +466,8 @@ class PersistentChainVerify:
             ORACLE=accept is not None and accept.oracle is not None, **tiles, CHAIN=tree is None, **self.launch)
 
     def phase_us(self) -> list[float]:
-        """(timed) Each phase's time in the last call: the last program's end of it minus
-        the last program's end of the phase before (the embeddings' is from the first end)."""
-        ends = self.times[:self.phases].max(dim=1).values.double()
-        starts = torch.cat([self.times.min().view(1).double(), ends[:-1]])
-        return ((ends - starts) / 1e3).tolist()
+        """(timed) Each phase's µs in the last call (`kernels.pdl.phase_us`)."""
+        return phase_us(self.times, self.phases)
 
     def failed(self) -> bool:
         """Whether a barrier gave up waiting since this step was made (reads the device)."""

@@ -121,7 +121,8 @@ def load_examples(path: Path = EXAMPLES_FILE) -> tuple[list[list[str]], list[str
 
 def control_values(runtime: runner.Runtime, **overrides) -> list:
     """Values of the settings controls in CONTROLS order (for tests and API clients)."""
-    values = {**CONTROL_DEFAULTS, "drafter": next(iter(runtime.drafters)), **overrides}
+    drafter = overrides.get("drafter", next(iter(runtime.drafters)))
+    values = {**CONTROL_DEFAULTS, "drafter": drafter, "paths": runner.default_preset(runtime, drafter), **overrides}
     return [values[name] for name in CONTROLS]
 
 
@@ -594,9 +595,27 @@ class Explorer:
         """The download button, visible when an export produced a file."""
         return gr.DownloadButton(visible=bool(path))
 
+    def preset_for(self, drafter: str, model: str = LOADED) -> str:
+        """The tree preset `drafter` starts with on `model` (runner.default_preset; "" until built)."""
+        runtime = self.models.get(model).runtime
+        return runner.default_preset(runtime, drafter) if runtime is not None else ""
+
+    def preset_controls(self, drafter: str, model: str, tree: str, paths: str, mode: str) -> tuple:
+        """(preset box, mode, note) after a drafter or model change: a preset left at a default
+        ("" or "measured") follows the new drafter's default; one the user wrote is kept."""
+        if str(paths or "").strip().lower() in ("", runner.MEASURED):
+            paths = self.preset_for(drafter, model)
+        radio, note = self.shape_controls(tree, paths, mode)
+        return gr.Textbox(value=paths), radio, note
+
     @quiet(2)
     def on_shape(self, tree: str, paths: str, mode: str):
         """Keep the verification mode consistent with the tree shape; validate the preset."""
+        return self.shape_controls(tree, paths, mode)
+
+    @staticmethod
+    def shape_controls(tree: str, paths: str, mode: str) -> tuple:
+        """on_shape's (mode radio, preset note)."""
         try:
             parsed = runner.parse_paths(paths)
             if parsed == runner.MEASURED:
@@ -624,21 +643,25 @@ class Explorer:
     def on_budget(self, budget: float, depth: float):
         return gr.Slider(value=min(int(depth), int(budget)))
 
-    @quiet(3)
-    def on_drafter(self, drafter: str, block_size: float, top_k: float, model: str = LOADED):
-        """Show α for the oracle; cap block size and top-k at what the drafter was trained for."""
+    @quiet(6)
+    def on_drafter(self, drafter: str, block_size: float, top_k: float, model: str = LOADED, tree: str = "chain",
+                   paths: str = "", mode: str = "auto"):
+        """Show α for the oracle; cap block size and top-k at what the drafter was trained for;
+        the preset, mode and note as `preset_controls` leaves them."""
         lim = self.models.limits(model, drafter)
         return (gr.Slider(visible=drafter == runner.ORACLE),
                 gr.Slider(maximum=lim["block_size"], value=min(int(block_size), lim["block_size"])),
-                gr.Slider(maximum=lim["top_k"], value=min(int(top_k), lim["top_k"])))
+                gr.Slider(maximum=lim["top_k"], value=min(int(top_k), lim["top_k"])),
+                *self.preset_controls(drafter, model, tree, paths, mode))
 
-    @quiet(8)
-    def on_model(self, model: str, drafter: str, block_size: float, top_k: float, max_new_tokens: float):
+    @quiet(11)
+    def on_model(self, model: str, drafter: str, block_size: float, top_k: float, max_new_tokens: float,
+                 tree: str = "chain", paths: str = "", mode: str = "auto"):
         """Offer the chosen model's drafters and ranges. A model that cannot run here says why
         in the status and the choice goes back to the loaded model; nothing is built.
 
         Returns updates of: model, drafter, oracle α, block size, top-k, max new tokens, the
-        model line and the status.
+        model line, the status, and the preset box, mode and preset note (`preset_controls`).
         """
         status = gr.skip()
         reason = self.models.unavailable(model)
@@ -655,7 +678,7 @@ class Explorer:
                 gr.Slider(maximum=lim["block_size"], value=min(int(block_size), lim["block_size"])),
                 gr.Slider(maximum=lim["top_k"], value=min(int(top_k), lim["top_k"])),
                 gr.Slider(maximum=most, value=min(int(max_new_tokens), most)),
-                self.model_md(model), status)
+                self.model_md(model), status, *self.preset_controls(drafter, model, tree, paths, mode))
 
 
 def model_info(models: ModelChoices) -> str:
@@ -723,9 +746,11 @@ def build_demo(runtime: runner.Runtime, run_fn: Callable | None = None, model_li
                 mode = gr.Radio(list(runner.MODES), value=D["mode"], label="Verification",
                                 info="auto picks per step from the tree's shape")
                 with gr.Column(min_width=220):
-                    paths = gr.Textbox(label="Tree preset (optional, overrides the shape)", lines=1,
+                    first_preset = ex.preset_for(first)
+                    paths = gr.Textbox(value=first_preset, label="Tree preset (optional, overrides the shape)",
+                                       lines=1, elem_id="paths",
                                        placeholder="index paths, e.g. [[0], [0, 0], [1], [0, 1]], or measured")
-                    preset_note = gr.Markdown("")
+                    preset_note = gr.Markdown(ex.shape_controls(D["tree"], first_preset, D["mode"])[1])
             with gr.Row():
                 top_k = gr.Slider(*rng("top_k"), value=min(D["top_k"], rng("top_k")[1]), step=1,
                                   label="Top-k (children per node)")
@@ -800,10 +825,11 @@ def build_demo(runtime: runner.Runtime, run_fn: Callable | None = None, model_li
             event(ex.on_shape, [tree, paths, mode], [mode, preset_note], show_progress="hidden", **helper)
         depth.release(ex.on_depth, [depth, budget], [budget], show_progress="hidden", **helper)
         budget.release(ex.on_budget, [budget, depth], [depth], show_progress="hidden", **helper)
-        drafter.input(ex.on_drafter, [drafter, block_size, top_k, model], [oracle_alpha, block_size, top_k],
-                      show_progress="hidden", **helper)
-        model.input(ex.on_model, [model, drafter, block_size, top_k, max_new],
-                    [model, drafter, oracle_alpha, block_size, top_k, max_new, model_line, status],
+        preset_controls = [paths, mode, preset_note]
+        drafter.input(ex.on_drafter, [drafter, block_size, top_k, model, tree, paths, mode],
+                      [oracle_alpha, block_size, top_k, *preset_controls], show_progress="hidden", **helper)
+        model.input(ex.on_model, [model, drafter, block_size, top_k, max_new, tree, paths, mode],
+                    [model, drafter, oracle_alpha, block_size, top_k, max_new, model_line, status, *preset_controls],
                     show_progress="hidden", **helper)
     demo.explorer = ex   # for tests
     return demo

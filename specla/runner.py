@@ -359,6 +359,15 @@ def preset_paths(text: Any, drafter, name: str) -> list[list[int]] | None:
     return measured_preset(drafter, name) if paths == MEASURED else paths
 
 
+def default_preset(runtime: Runtime, drafter: str) -> str:
+    """The tree preset a page starts `drafter` with: "measured" where the engine runs CUDA graphs
+    and the drafter has a measured preset, the fastest path measured there (the block drafter's,
+    1.15x against its chain's 0.99x: benchmarks/results/h200/session19/); else "" (the shape)."""
+    entry = runtime.drafters.get(drafter) if isinstance(drafter, str) else None     # bad input: no preset
+    has_preset = bool((getattr(entry, "meta", None) or {}).get("tree_preset"))
+    return MEASURED if has_preset and runtime.engine.backend == "graphed" else ""
+
+
 def measured_preset(drafter, name: str) -> list[list[int]]:
     """The index paths of a drafter's measured tree preset (its drafter.json), or a ValueError."""
     preset = (getattr(drafter, "meta", None) or {}).get("tree_preset")

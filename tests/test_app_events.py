@@ -10,6 +10,7 @@ for _key, _value in (("GRADIO_ANALYTICS_ENABLED", "False"), ("HF_HUB_OFFLINE", "
     os.environ.setdefault(_key, _value)
 os.environ.setdefault("GRADIO_TEMP_DIR", str(Path(__file__).resolve().parent.parent / ".gradio"))
 
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
@@ -442,8 +443,36 @@ def test_controls_stay_consistent(ex):
     radio, note = ex.on_shape("chain", "[[0], [1]]", "chain")
     assert radio.value == "auto"
     assert ex.on_depth(12, 8).value == 12 and ex.on_budget(3, 6).value == 3
-    alpha, block, top_k = ex.on_drafter(runner.ORACLE, 8, 4)
-    assert alpha.visible is True
+    alpha, block, top_k, paths, mode, note = ex.on_drafter(runner.ORACLE, 8, 4)
+    assert alpha.visible is True and paths.value == "" and note == ""
+
+
+@pytest.mark.skipif(not (runner.ASSETS / "drafters" / "block").exists(), reason="needs the trained block drafter")
+def test_a_graphed_page_starts_the_block_drafter_on_its_measured_preset(rt):
+    """Where the engine runs CUDA graphs (here without capture, on the CPU) the page starts on
+    the fastest path measured there: the block drafter's measured preset. A preset left at a
+    default follows the drafter; one the user wrote is kept; the eager page keeps the chain."""
+    from specla.engine import Engine
+    graphed = dataclasses.replace(rt, engine=Engine(rt.target, "graphed", use_graph=False))
+    gx, eager = Explorer(graphed), Explorer(rt)
+    assert gx.first_drafter == "block" and gx.preset_for("block") == runner.MEASURED
+    assert eager.preset_for("block") == "" and gx.preset_for("lilicorr") == ""
+    *_, paths, mode, note = gx.on_drafter("lilicorr", 8, 4, LOADED, "chain", "measured", "auto")
+    assert paths.value == "" and mode.value == "auto" and note == ""
+    *_, paths, mode, note = gx.on_drafter("block", 8, 4, LOADED, "chain", "", "chain")
+    assert paths.value == runner.MEASURED and mode.value == "auto" and "measured tree" in note
+    assert "switched to auto" in note          # chain verification cannot verify a tree
+    *_, paths, _, _ = gx.on_drafter("lilicorr", 8, 4, LOADED, "chain", "[[0], [1]]", "auto")
+    assert paths.value == "[[0], [1]]"
+    box = next(b for b in build_demo(graphed).blocks.values() if getattr(b, "elem_id", None) == "paths")
+    assert box.value == runner.MEASURED
+    assert control_values(graphed)[CONTROLS.index("paths")] == runner.MEASURED
+    assert control_values(rt)[CONTROLS.index("paths")] == ""
+    trace = last_trace(drain(gx.on_run("def add(a, b):\n\treturn",
+                                       *control_values(graphed, max_new_tokens=12))))
+    assert trace["settings"]["paths"] == runner.measured_preset(rt.drafters["block"], "block")
+    assert trace["engine"]["backend"] == "graphed" and trace["engine"]["drafting"] == "device"
+    assert max(len(step["tree"]["tokens"]) for step in trace["steps"]) > 8     # trees, not the chain of 7
 
 
 def test_stop_redraws_the_kept_partial_trace(ex, beam_trace):

@@ -532,3 +532,25 @@ def test_every_device_drafter_is_built_with_compile():
         packing = [m for m in getattr(drafter, "net", torch.nn.Module()).modules() if hasattr(m, "PACKS")]
         assert all("_cache_" + name in m.__dict__ for m in packing for name in m.PACKS)
         assert packing or drafter.kind == "ngram"      # the model-free drafter has no weights
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_the_page_defaults_run_the_measured_preset_on_the_device():
+    """What a page on a GPU starts with (its first drafter and `runner.default_preset`), through
+    the service layer the page's Run calls: the block drafter's measured preset, drafted,
+    verified and accepted on the device, bf16 output equal to AR or leaving it at a near-tie."""
+    _embedded_pair()                                    # skips without the trained assets
+    from specla import runner
+    rt = runner.load_runtime(device="cuda")
+    drafter = next(iter(rt.drafters))
+    settings = {"drafter": drafter, "paths": runner.default_preset(rt, drafter), "max_new_tokens": 64}
+    assert drafter == "block" and settings["paths"] == runner.MEASURED
+    trace = [t for t in runner.run(rt, "def add(a, b):\n    return", settings) if isinstance(t, dict)][-1]
+    assert trace["settings"]["paths"] == runner.measured_preset(rt.drafters["block"], "block")
+    engine = trace["engine"]
+    assert engine["backend"] == "graphed" and engine["drafting"] == "device" and engine["acceptance"] == "device"
+    assert "one persistent launch" in str(engine.get("verification")), engine
+    exact = trace["exactness"]
+    assert exact["equal"] or exact["first_divergence"]["near_tie"], exact
+    assert trace["summary"]["new_tokens"] == 64
