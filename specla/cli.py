@@ -56,6 +56,13 @@ def _load_drafter(kind: str, model, args):
     return load_drafter(path, model)
 
 
+def _with_preset(drafter, args):
+    """The drafter cut to --preset's tree (JSON index paths, or "measured": the drafter's own)."""
+    from specla.runner import PresetShape, preset_paths
+    paths = preset_paths(args.preset, drafter, args.drafter) if args.preset else None
+    return PresetShape(drafter, paths) if paths else drafter
+
+
 def _engine(model, args):
     from specla.engine import Engine
     return Engine(model, args.backend)
@@ -74,7 +81,7 @@ def cmd_generate(args) -> dict:
     start = time.perf_counter()
     plan = None
     if args.drafter:
-        drafter = _load_drafter(args.drafter, model, args)
+        drafter = _with_preset(_load_drafter(args.drafter, model, args), args)
         draft = DraftSettings(tree=args.tree, top_k=args.top_k, budget=args.budget)
         plan = engine.plan(drafter, settings, draft)
         records = list(engine.speculate(prompt, drafter, settings, draft, eos_token_id=eos))
@@ -107,8 +114,10 @@ def cmd_exactness(args) -> dict:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     deferred = [{"on": True, "off": False}[d.strip()] for d in args.deferred.split(",")]
     factory = None
+    if args.drafter == "oracle" and args.preset:
+        raise ValueError("--preset cuts a drafter's candidate tree; the oracle drafts one chain")
     if args.drafter != "oracle":
-        drafter = _load_drafter(args.drafter, model, args)
+        drafter = _with_preset(_load_drafter(args.drafter, model, args), args)
         factory = lambda prompt, ar_tokens, mode: drafter  # noqa: E731 (reset() starts each run)
     out = exactness(engine, lambda t: _checked_tokens(model, tokenizer, t), prompts, modes, deferred,
                     args.temperature, args.max_new_tokens, factory, near_tie=args.near_tie)
@@ -126,13 +135,13 @@ def cmd_acceptance(args) -> dict:
     model, tokenizer = _load(args)
     engine = _engine(model, args)
     prompts = read_prompts(args.prompts, args.limit)
-    drafter = _load_drafter(args.drafter, model, args)
+    drafter = _with_preset(_load_drafter(args.drafter, model, args), args)
     ds = DraftSettings(tree=args.tree, top_k=args.top_k, budget=args.budget,
                        block_size=args.block_size, depth=args.depth, prune_tau=args.prune_tau)
     ds.validate(model.config.vocab_size)
     out = measure_acceptance(engine, lambda t: _checked_tokens(model, tokenizer, t), prompts,
                              drafter, ds, args.max_new_tokens)
-    out.update(drafter=args.drafter, tree=args.tree, top_k=args.top_k, budget=args.budget,
+    out.update(drafter=args.drafter, tree=args.tree, preset=args.preset, top_k=args.top_k, budget=args.budget,
                block_size=args.block_size, backend=engine.backend)
     print(f"tau = {out['tau']} over {out['prompts']} prompts ({out['target_forwards']} forwards); "
           f"histogram {out['accept_hist']}; per position {out['per_position_acceptance']}")
@@ -158,6 +167,8 @@ def _draft_args(p: argparse.ArgumentParser, default_drafter: str | None) -> None
     p.add_argument("--tree", default="chain", help="chain | beam | best-first")
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--budget", type=int, default=16, help="draft nodes per step, root excluded")
+    p.add_argument("--preset", help="a tree preset, overriding --tree: JSON index paths such as "
+                                    "'[[0], [0, 0], [1]]', or measured (the drafter's own, e.g. the block drafter's)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -58,6 +58,20 @@ def test_generate_json_last_line(capsys):
     assert len(result["token_ids"]) == 8 and result["device"] == "cpu" and result["tokens_per_s"] > 0
 
 
+@pytest.mark.skipif(not (cli.DEFAULT_DRAFTERS / "block" / "drafter.json").exists(), reason="needs the block drafter")
+def test_generate_with_the_measured_preset_equals_ar(capsys):
+    """--preset measured drafts the block drafter's measured tree (as the page's preset box does),
+    and the text is AR's token for token (fp32 on the CPU)."""
+    prompt = ["--prompt", "def add(a, b):", "--max-new-tokens", "24", "--device", "cpu", "--json"]
+    code, out, _ = run_cli(["generate", *prompt], capsys)
+    assert code == 0
+    ar = json.loads(out.strip().splitlines()[-1])
+    code, out, err = run_cli(["generate", *prompt, "--drafter", "block", "--preset", "measured"], capsys)
+    assert code == 0, err
+    spec = json.loads(out.strip().splitlines()[-1])
+    assert spec["token_ids"] == ar["token_ids"] and spec["target_forwards"] < len(ar["token_ids"])
+
+
 @pytest.mark.parametrize("args,message", [
     (["generate", "--prompt", ""], "prompt is empty"),
     (["generate", "--prompt", "x " * 9000], "limit"),
@@ -65,7 +79,11 @@ def test_generate_json_last_line(capsys):
     (["generate", "--prompt", "x", "--model", "/nonexistent/folder"], "no such checkpoint folder"),
     (["acceptance", "--prompts", "/nonexistent.jsonl", "--drafter", "block"], "cannot read prompts"),
     (["acceptance", "--prompts", "examples/prompts.jsonl", "--top-k", "0"], "top-k"),
-], ids=["empty-prompt", "long-prompt", "max-new-tokens", "missing-model", "missing-prompts", "top-k"])
+    (["generate", "--prompt", "x", "--drafter", "lilicorr", "--preset", "measured"], "has no measured tree preset"),
+    (["generate", "--prompt", "x", "--drafter", "block", "--preset", "[[1], [0]"], "not a JSON list"),
+    (["exactness", "--prompts", "examples/prompts.jsonl", "--preset", "measured"], "the oracle drafts one chain"),
+], ids=["empty-prompt", "long-prompt", "max-new-tokens", "missing-model", "missing-prompts", "top-k",
+        "no-measured-preset", "bad-preset", "oracle-preset"])
 def test_bad_input_is_a_one_line_error(args, message, capsys):
     code, _, err = run_cli(args + ["--device", "cpu"], capsys)
     assert code == 2

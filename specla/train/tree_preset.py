@@ -4,16 +4,19 @@ average, of the drafter's own candidates.
 The block drafter predicts every slot of a block from the same context, so a node's
 children are its depth's slot candidates whatever its path. Run greedy chains over prompts
 of the training split, and record at each step the rank, among slot d's candidates, of
-the token the target went on to produce there (given that every slot before d held its
-token somewhere among its candidates). That gives p[d][r], the chance that slot d's answer
-is its rank-r candidate. A tree node at index path (r1, ..., rd) is accepted with chance
-p[0][r1] ... p[d-1][rd]: the tree of `budget` nodes that maximises the expected accepted
-length takes the likeliest nodes first (a child is never likelier than its parent).
+the token the target went on to produce there, up to the first slot where it is not a
+candidate. A tree node at index path (r1, ..., rd) is accepted at exactly the steps whose
+ranks begin with that path, so the tree of `budget` nodes with the most expected accepted
+drafts over the recorded steps takes the most frequent paths first (`empirical_preset`; a
+child is never more frequent than its parent). The older choice multiplies per-slot rank
+chances p[d][r] as if the slots were independent (`best_preset`, `--select table`); it
+loses how a slot's rank follows the ranks before it, and accepts less on held-out prompts.
 
     python -m specla.train tree-preset --drafter assets/drafters/block --corpus data/corpus
 
-writes `tree_preset` (its index paths, the table and how it was measured) into the
-drafter's drafter.json. The runner offers it as the drafter's preset; verification of a
+writes `tree_preset` (its index paths, the table, how it was measured, and the tau of it and
+the alternatives on the training split and on held-out prompts) into the drafter's
+drafter.json. The runner offers it as the drafter's preset `measured`; verification of a
 preset of up to 15 nodes is one persistent launch on a GPU (`kernels/triton_verify_step.py`).
 """
 from __future__ import annotations
@@ -77,6 +80,26 @@ def best_preset(table: list[list[float]], budget: int) -> list[list[int]]:
     return [list(path) for path in chosen]
 
 
+def empirical_preset(steps: list[list[int]], budget: int) -> list[list[int]]:
+    """The `budget` index paths that the most recorded steps accepted through: each step's
+    ranks give the paths it would accept (every prefix before its first miss), and the tree
+    of most expected accepted drafts over those steps takes the most frequent first. Unlike
+    `best_preset` it keeps what the table loses: how a slot's rank depends on the ranks
+    before it. A child is never more frequent than its parent, and a tie puts the shallower
+    first, so the result is a tree; listed by depth, then frequency: parents first."""
+    counts: dict[tuple[int, ...], int] = {}
+    for ranks in steps:
+        prefix: tuple[int, ...] = ()
+        for r in ranks:
+            if r < 0:
+                break
+            prefix += (r,)
+            counts[prefix] = counts.get(prefix, 0) + 1
+    chosen = sorted(counts, key=lambda path: (-counts[path], len(path), path))[:budget]
+    chosen.sort(key=lambda path: (len(path), -counts[path], path))
+    return [list(path) for path in chosen]
+
+
 def expected_tau(table: list[list[float]], paths: list[list[int]]) -> float:
     """1 + the expected accepted drafts of a preset under the table."""
     total = 0.0
@@ -120,6 +143,12 @@ def record_ranks(target, drafter, tokenizer, prompts: list[str], top_k: int, new
     return steps
 
 
+def read_prompt_file(path: str | Path, n: int) -> list[str]:
+    """The first n prompts of a JSON Lines file ({"prompt": ...} a line)."""
+    rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [row["prompt"] for row in rows[:n]]
+
+
 def main(argv: list[str] | None = None) -> None:
     from specla.checkpoint import load_model
     from specla.data import heldout_prompts
@@ -130,10 +159,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--drafter", default="assets/drafters/block", help="a block drafter's folder (updated in place)")
     ap.add_argument("--target", default="assets/target")
     ap.add_argument("--corpus", default="data/corpus", help="folder written by `corpus` (its train split is read)")
-    ap.add_argument("--prompts", type=int, default=48)
+    ap.add_argument("--prompts", type=int, default=48, help="training-split prompts the preset is chosen on")
+    ap.add_argument("--heldout", default="data/corpus/heldout_prompts.jsonl",
+                    help="held-out prompts (python -m specla.train prompts) the chosen preset is scored on; '' skips")
+    ap.add_argument("--heldout-prompts", type=int, default=24)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=8, help="candidates per slot the table covers")
     ap.add_argument("--budget", type=int, default=15, help="draft nodes of the preset, the root not counted")
+    ap.add_argument("--select", choices=("empirical", "table"), default="empirical",
+                    help="empirical: the most frequent accepted paths (empirical_preset); table: the product "
+                         "of per-slot rank chances (best_preset)")
+    ap.add_argument("--steps", type=Path, help="a JSON file of recorded ranks: read if it exists, else written")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -142,23 +178,42 @@ def main(argv: list[str] | None = None) -> None:
     if not getattr(drafter, "static_rows", False):
         raise SystemExit(f"{args.drafter}: a {drafter.kind} drafter's candidates depend on the path; "
                          "a measured preset is for the block drafter")
-    raw = load_raw(Path(args.target).parent if (Path(args.target).parent / "tokenizer.json").exists() else "assets")
-    prompts = [p["prompt"] for p in heldout_prompts(args.corpus, raw, n=args.prompts, seed=args.seed, split="train")]
-    steps = record_ranks(target, drafter, tokenizer, prompts, args.top_k, args.new_tokens)
-    table = rank_acceptance(steps, drafter.net.config.block_size - 1, args.top_k)
-    paths = best_preset(table, args.budget)
-    chain = [[0] * d for d in range(1, drafter.net.config.block_size)]
-    preset = {"paths": paths, "rank_acceptance": [[round(p, 4) for p in row] for row in table],
-              "measured_on": {"split": "train", "prompts": len(prompts), "new_tokens": args.new_tokens,
+    slots = drafter.net.config.block_size - 1
+    if args.steps is not None and args.steps.exists():
+        recorded = json.loads(args.steps.read_text())
+    else:
+        raw = load_raw(Path(args.target).parent if (Path(args.target).parent / "tokenizer.json").exists() else "assets")
+        train = [p["prompt"] for p in heldout_prompts(args.corpus, raw, n=args.prompts, seed=args.seed, split="train")]
+        heldout = read_prompt_file(args.heldout, args.heldout_prompts) if args.heldout else []
+        recorded = {"train": record_ranks(target, drafter, tokenizer, train, args.top_k, args.new_tokens),
+                    "heldout": record_ranks(target, drafter, tokenizer, heldout, args.top_k, args.new_tokens),
+                    "train_prompts": len(train), "heldout_prompts": len(heldout)}
+        if args.steps is not None:
+            args.steps.write_text(json.dumps(recorded))
+    steps = recorded["train"]
+    table = rank_acceptance(steps, slots, args.top_k)
+    candidates = {"empirical": empirical_preset(steps, args.budget), "table": best_preset(table, args.budget),
+                  "chain": [[0] * d for d in range(1, slots + 1)]}
+    paths = candidates[args.select]
+
+    def taus(split_steps: list[list[int]]) -> dict:
+        return {name: round(measured_tau(split_steps, p), 4) for name, p in
+                (("preset", paths), *((k, v) for k, v in candidates.items() if k != args.select))}
+
+    preset = {"paths": paths, "selection": args.select, "rank_acceptance": [[round(p, 4) for p in row] for row in table],
+              "measured_on": {"split": "train", "prompts": recorded["train_prompts"], "new_tokens": args.new_tokens,
                               "seed": args.seed, "steps": len(steps)},
-              "tau": {"preset": round(measured_tau(steps, paths), 4), "chain": round(measured_tau(steps, chain), 4)},
+              "tau": taus(steps),
               "command": "python -m specla.train tree-preset " + " ".join(argv or [])}
+    if recorded["heldout"]:
+        preset["heldout"] = {"file": args.heldout, "prompts": recorded["heldout_prompts"],
+                             "steps": len(recorded["heldout"]), "tau": taus(recorded["heldout"])}
     config = Path(args.drafter) / "drafter.json"
     meta = json.loads(config.read_text())
     meta["tree_preset"] = preset
     config.write_text(json.dumps(meta, indent=1) + "\n")
-    print(f"{len(paths)} nodes, tau {preset['tau']['preset']} against the chain's {preset['tau']['chain']} "
-          f"over {len(steps)} steps -> {config}")
+    print(f"{len(paths)} nodes ({args.select}); tau on the training split {preset['tau']}"
+          + (f", held out {preset['heldout']['tau']}" if "heldout" in preset else "") + f" -> {config}")
 
 
 if __name__ == "__main__":
