@@ -8,6 +8,7 @@
 # chain-verify (the persistent chain verification's GPU tests, launch counts and speed, engine exactness),
 # draft-step (the same for the persistent block draft), chain-accept (the same for acceptance in the verification's launch),
 # tree-preset (the same for trees in the verification's launch and the block drafter's measured preset),
+# ngram-chain (the n-gram chain kernel's GPU tests, the page's GPU defaults, e2e rows in PAIR_ROWS, bench_programs.py),
 # app (benchmarks/app_vs_bench.py: the real app over HTTP against the bench's rows; options in APP_ARGS,
 # cases named without spaces, e.g. --cases block_chain,lilicorr_best-first_16), launch-counts (kernels per step body),
 # projection-sweep (benchmarks/bench_kernels.py --only projection), gemv (--only gemv), parallel (--only parallel,pdl), ops-compare (fla against the fused projections,
@@ -132,6 +133,15 @@ for stage in "$@"; do
         tests/test_gpu_runtime.py -m gpu -k "preset or (graphed_spec_with_fused and tree)" \
         > "$R/gpu_tests_preset_engine.txt" 2>&1
       tail -2 "$R/gpu_tests_preset_engine.txt" ;;
+    ngram-chain) # the n-gram chain in one launch and the page's GPU defaults (issue #15): GPU tests, then the
+      # preset, the n-gram chain and the block chain against AR on held-out prompts, then grids and AR phases
+      timeout "${T_NGRAM_TESTS:-200}" python3 -m pytest -v -p no:cacheprovider tests/test_ngram_chain.py \
+        tests/test_device_drafter.py -m gpu -k "not interpreter and (ngram_chain or page_defaults)" \
+        > "$R/gpu_tests_ngram.txt" 2>&1
+      tail -2 "$R/gpu_tests_ngram.txt"
+      bench e2e "${T_NGRAM_E2E:-330}" --pair-only --pair-budget $((${T_NGRAM_E2E:-330} - 50)) \
+        --pair-rows "${PAIR_ROWS:-block/preset-*,ngram/chain-*,block/chain}"
+      timeout "${T_PROGRAMS:-150}" python3 benchmarks/bench_programs.py --out "$R" 2>&1 | tee "$R/log_programs.txt" ;;
     speedup) # the model-free drafter beside the trained ones, on both prompt sets (needs data/corpus/*_prompts.jsonl)
       timeout "${T_SPEEDUP:-240}" python3 benchmarks/run_acceptance.py --speedup --device cuda --limit 8 \
         --max-new-tokens 128 --out "$R" --name speedup_h200 --rows ${SPEEDUP_ROWS:-ngram:chain:1:8:depth=8 \

@@ -425,3 +425,25 @@ VERIFY_REFERENCES = {
     "tree": tree_verify_ref,
     "hybrid": hybrid_verify_ref,
 }
+
+
+def ngram_chain_ref(history: list[int], new_tokens: list[int], capacity: int, max_ngram: int, min_ngram: int,
+                    nodes: int) -> tuple[list[int], list[int]]:
+    """Prompt lookup, one chain: append `new_tokens` to `history` (the most recent `capacity`
+    kept), then find the latest earlier position whose last n tokens (min_ngram <= n <= max_ngram,
+    as many as match, the longest first) equal the history's last n, and draft the `nodes`
+    tokens that followed it (-1 past the history's end, or everywhere without a match).
+    Returns (the new history, the chain)."""
+    history = (list(history) + list(new_tokens))[-capacity:]
+    last = len(history) - 1
+    best = None                 # (match length, position): longer first, then more recent
+    for p in range(last):
+        n = 0
+        while n < max_ngram and p - n >= 0 and history[p - n] == history[last - n]:
+            n += 1
+        if n >= min_ngram and (best is None or (n, p) > best):
+            best = (n, p)
+    if best is None:
+        return history, [-1] * nodes
+    follow = history[best[1] + 1:best[1] + 1 + nodes]
+    return history, follow + [-1] * (nodes - len(follow))

@@ -306,3 +306,14 @@ def test_the_benchmarks_import_without_plotly():
     proc = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "figures need plotly" in proc.stdout      # the block itself works
+
+
+def test_pair_rows_pick_and_order_the_named_rows():
+    from specla.bench.e2e import chosen_rows
+
+    rows = [(name, {}) for name in ("block/chain", "block/preset-15", "block/best-first-10", "ngram/chain-6")]
+    assert chosen_rows(rows, "") == rows
+    picked = chosen_rows(rows, "ngram/*, block/preset-*,block/*")
+    assert [name for name, _ in picked] == ["ngram/chain-6", "block/preset-15", "block/chain", "block/best-first-10"]
+    with pytest.raises(ValueError, match="matches no row; the rows are block/chain"):
+        chosen_rows(rows, "eagle/*")

@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds for the embedded pair within the CUDA e2e suite (default 240)")
     p.add_argument("--head-top-k", type=int, default=4,
                    help="head suite: LiLiCorr candidates per slot (default 4, as the measured chains)")
+    p.add_argument("--pair-rows", default="",
+                   help="e2e pair: only the rows whose names match these comma-separated patterns, in "
+                        "this order (e.g. 'block/preset-*,ngram/chain-*'; default every row)")
     p.add_argument("--pair-only", action="store_true",
                    help="e2e on CUDA: the embedded pair only, not the 1.3B oracle sweep")
     p.add_argument("--render", action="store_true", help="only rewrite report.md/html from --out")

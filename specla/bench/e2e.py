@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import statistics
 
 import torch
@@ -93,6 +94,23 @@ def pair_rows(runtime, quick: bool) -> list[tuple[str, dict]]:
     return rows
 
 
+def chosen_rows(rows: list[tuple[str, dict]], patterns: str) -> list[tuple[str, dict]]:
+    """The rows whose names match the comma-separated shell patterns, pattern by pattern (so a
+    short run measures the rows it names first); every row when there are none. A pattern
+    that matches nothing is an error naming the rows there are."""
+    wanted = [p.strip() for p in patterns.split(",") if p.strip()]
+    if not wanted:
+        return rows
+    chosen: list[tuple[str, dict]] = []
+    for pattern in wanted:
+        hits = [row for row in rows if fnmatch.fnmatchcase(row[0], pattern) and row not in chosen]
+        if not hits and not any(fnmatch.fnmatchcase(name, pattern) for name, _ in rows):
+            raise ValueError(f"--pair-rows: {pattern!r} matches no row; the rows are "
+                             f"{', '.join(name for name, _ in rows)}")
+        chosen += hits
+    return chosen
+
+
 def e2e_pair(args, res: Results, deadline: Deadline) -> str:
     from specla import runner
 
@@ -104,7 +122,7 @@ def e2e_pair(args, res: Results, deadline: Deadline) -> str:
                               "dtype": str(engine.dtype).replace("torch.", ""),
                               "measured_through": "specla.runner.run (the app's service layer)", **notes,
                               "rows": []}
-    for name, settings in pair_rows(runtime, args.quick):
+    for name, settings in chosen_rows(pair_rows(runtime, args.quick), getattr(args, "pair_rows", "")):
         row = {"name": name, "kind": "oracle" if settings["drafter"] == runner.ORACLE else "drafter",
                "drafter": settings["drafter"], "settings": name.split("/", 1)[1], "app_settings": settings}
         if not deadline.ok(20):

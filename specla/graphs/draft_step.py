@@ -8,6 +8,8 @@ exactness: the slot logits within bf16 rounding of the torch path's.
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 
 from specla.drafters.block import BlockNet, TargetParts
@@ -52,24 +54,33 @@ def _applies(net: BlockNet, parts: TargetParts, device: torch.device) -> str | N
     return unsupported(dict(WD=c.width, HD=c.width // c.heads, MH=c.mlp_hidden, W=c.window, B=c.block_size))
 
 
-def block_draft_for(drafter, wanted: bool | None = None):
-    """(PersistentBlockDraft, note) for a `DeviceBlockDrafter`, or (None, why not). wanted:
-    None where it applies, True the same or an error saying why not, False never."""
-    if wanted is False or (wanted is None and not PERSISTENT_DRAFT):
-        return None, "torch ops (the persistent draft is off)"
-    net, parts, c = drafter.net, drafter.parts, drafter.net.config
-    why = _applies(net, parts, drafter.device)
-    if why is None:
-        from kernels.triton_draft_step import PersistentBlockDraft
-
-        kernel = PersistentBlockDraft(draft_weights(net, parts), c.heads, c.window, c.block_size, drafter.slots,
-                                      drafter.top_k, net.norm.eps, parts.norm_eps)
-        why = check_block_draft(drafter, kernel)
-        if why is None:
-            return kernel, "one persistent launch"
+def kernel_or_note(wanted: bool | None, enabled: bool, what: str, why_not: str | None,
+                   build: Callable[[], Any], check: Callable[[Any], str | None], note: str) -> tuple[Any, str]:
+    """(kernel, note) where a drafter's kernel applies (`why_not` None) and passes its check
+    against the torch path, else (None, "torch ops (why not)"). wanted: None where it
+    applies (and `enabled`), True the same or a ValueError naming `what`, False never."""
+    if wanted is False or (wanted is None and not enabled):
+        return None, f"torch ops (the {what} is off)"
+    if why_not is None:
+        kernel = build()
+        why_not = check(kernel)
+        if why_not is None:
+            return kernel, note
     if wanted:
-        raise ValueError(f"the persistent block draft cannot run here: {why}")
-    return None, f"torch ops ({why})"
+        raise ValueError(f"the {what} cannot run here: {why_not}")
+    return None, f"torch ops ({why_not})"
+
+
+def block_draft_for(drafter, wanted: bool | None = None):
+    """(PersistentBlockDraft, note) for a `DeviceBlockDrafter`, or (None, why not) (`kernel_or_note`)."""
+    net, parts, c = drafter.net, drafter.parts, drafter.net.config
+
+    def build():
+        from kernels.triton_draft_step import PersistentBlockDraft
+        return PersistentBlockDraft(draft_weights(net, parts), c.heads, c.window, c.block_size, drafter.slots,
+                                    drafter.top_k, net.norm.eps, parts.norm_eps)
+    return kernel_or_note(wanted, PERSISTENT_DRAFT, "persistent block draft", _applies(net, parts, drafter.device),
+                          build, lambda kernel: check_block_draft(drafter, kernel), "one persistent launch")
 
 
 @torch.no_grad()

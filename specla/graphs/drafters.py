@@ -37,6 +37,7 @@ from specla.drafters import ngram
 from specla.drafters.lilicorr import LiLiCorrDrafter, candidates, greedy_walk, lattice, tree_rows
 from specla.drafters.ngram import NgramDrafter
 from specla.graphs.draft_step import block_draft_for
+from specla.graphs.ngram_chain import ngram_chain_for
 from specla.graphs.spec import GraphedSpec, StepLog
 from specla.graphs.trees import (Frontier, GrownTree, conditional_rows, frontier_width, grow_tree, pool_size,
                                  static_rows, tree_nodes)
@@ -70,8 +71,12 @@ class _DeviceDrafter:
         spec.tokens[0, 1:].copy_(grown.tokens[1:])
         if self.dynamic:
             spec.topo.rebuild(grown.parents)
+        self.log_draft(spec, grown.logp)
+
+    def log_draft(self, spec: GraphedSpec, logp: torch.Tensor) -> None:
+        """The draft's log-probs ([nodes], the root's first) into the step log's row."""
         row = spec.state.log.row(spec.state.step)
-        spec.state.log.draft_logp.index_copy_(0, row, _pad(grown.logp, spec.state.log.nodes)[None])
+        spec.state.log.draft_logp.index_copy_(0, row, _pad(logp, spec.state.log.nodes)[None])
 
     def draft(self, spec: GraphedSpec) -> None:
         """`GraphedSpec`'s draft phase, right after `accept`: learn the accepted path, draft."""
@@ -561,11 +566,15 @@ class DeviceEagleDrafter(_DeviceDrafter):
 class DeviceNgramDrafter(_DeviceDrafter):
     """The model-free n-gram drafter inside the step graphs: `specla.drafters.ngram`'s tensor
     core over a device history buffer, and the tree `NgramDrafter.propose` grows over the
-    trie of its continuations (`grow_tree` with the trie's children, heaviest first)."""
+    trie of its continuations (`grow_tree` with the trie's children, heaviest first). A chain
+    is one Triton launch where `ngram_chain.ngram_chain_for` finds that the kernel applies and
+    agrees with these ops (chain_kernel: None there, True the same or an error, False never);
+    `draft_note` says which."""
 
     kind = "ngram"
 
-    def __init__(self, drafter: NgramDrafter, settings: DraftSettings, device, compile: bool = False):
+    def __init__(self, drafter: NgramDrafter, settings: DraftSettings, device, compile: bool = False,
+                 chain_kernel: bool | None = None):
         settings.validate(drafter.vocab_size)
         self.core = drafter
         self.feature_layers = ()
@@ -586,6 +595,8 @@ class DeviceNgramDrafter(_DeviceDrafter):
         wrap = (lambda fn: torch.compile(fn, dynamic=False)) if compile else (lambda fn: fn)
         self._grow = wrap(self.grow)
         self._extended = wrap(self.extended)
+        self.kernel, self.draft_note = ngram_chain_for(self, chain_kernel)
+        self.zero_logp = torch.zeros(self.nodes, device=self.device)     # a chain's: each node's weight is its parent's
 
     def buffers(self) -> list[torch.Tensor]:
         return [self.history, self.length]
@@ -644,7 +655,18 @@ class DeviceNgramDrafter(_DeviceDrafter):
 
     @torch.no_grad()
     def propose(self, spec: GraphedSpec) -> None:
-        self.write(spec, self._grow(spec.state.root))
+        if self.kernel is None:
+            self.write(spec, self._grow(spec.state.root))
+            return
+        self.kernel(self.history, self.length, spec.tokens[0, 1:])
+        self.log_draft(spec, self.zero_logp)
+
+    def draft(self, spec: GraphedSpec) -> None:
+        if self.kernel is None:
+            super().draft(spec)
+            return
+        self.kernel(self.history, self.length, spec.tokens[0, 1:], (spec.result, spec.tokens[0]))
+        self.log_draft(spec, self.zero_logp)
 
     def details(self, start: int, stop: int) -> list[dict]:
         return [{"drafter": "ngram"} for _ in range(stop - start)]
