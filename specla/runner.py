@@ -364,13 +364,17 @@ def default_preset(runtime: Runtime, drafter: str) -> str:
     and the drafter has a measured preset, the fastest path measured there (the block drafter's,
     1.15x against its chain's 0.99x: benchmarks/results/h200/session19/); else "" (the shape)."""
     entry = runtime.drafters.get(drafter) if isinstance(drafter, str) else None     # bad input: no preset
-    has_preset = bool((getattr(entry, "meta", None) or {}).get("tree_preset"))
-    return MEASURED if has_preset and runtime.engine.backend == "graphed" else ""
+    return MEASURED if tree_preset_of(entry) and runtime.engine.backend == "graphed" else ""
+
+
+def tree_preset_of(drafter) -> dict | None:
+    """A drafter's measured tree preset as its drafter.json records it, or None."""
+    return (getattr(drafter, "meta", None) or {}).get("tree_preset")
 
 
 def measured_preset(drafter, name: str) -> list[list[int]]:
     """The index paths of a drafter's measured tree preset (its drafter.json), or a ValueError."""
-    preset = (getattr(drafter, "meta", None) or {}).get("tree_preset")
+    preset = tree_preset_of(drafter)
     if not preset:
         raise ValueError(f"the {name} drafter has no measured tree preset "
                          "(a block drafter's: python -m specla.train tree-preset)")

@@ -88,7 +88,7 @@ def pair_rows(runtime, quick: bool) -> list[tuple[str, dict]]:
             rows.append((f"{kind}/{label}", {"drafter": kind, "tree": ds.tree, "top_k": ds.top_k,
                                              "budget": ds.budget, "block_size": ds.block_size,
                                              "depth": ds.depth}))
-            preset = (getattr(drafter, "meta", None) or {}).get("tree_preset")
+            preset = runner.tree_preset_of(drafter)
             if label == "chain" and preset:      # the drafter's measured fixed tree, beside its chain
                 rows.append((f"{kind}/preset-{len(preset['paths'])}", dict(rows[-1][1], paths=runner.MEASURED)))
     return rows
