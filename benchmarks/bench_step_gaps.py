@@ -51,6 +51,9 @@ def timeline_summary(kernels: list[tuple[float, float, str]], top: int = 8) -> d
             "idle_us": round(span - busy, 1),
             "idle_over_2us": round(sum(g for g, _, _ in gaps if g > 2), 1),
             "gaps_over_20us": sum(g > 20 for g, _, _ in gaps),
+            "gaps_over_20us_by_pair": sorted(((round(sum(g for g, x, y in gaps if (x, y) == pair and g > 20), 1),
+                                               sum(1 for g, x, y in gaps if (x, y) == pair and g > 20), *pair)
+                                              for pair in {(a, b) for g, a, b in gaps if g > 20}), reverse=True),
             "longest_gaps": [{"us": round(g, 1), "after": a, "before": b}
                              for g, a, b in sorted(gaps, reverse=True)[:top]],
             "by_kernel": [{"name": n, "count": len(ds), "mean_us": round(sum(ds) / len(ds), 2),
@@ -68,6 +71,23 @@ def profiled(fn) -> tuple[object, dict]:
             torch.cuda.synchronize()
         prof.export_chrome_trace(str(path))
         return out, timeline_summary(kernel_timeline(path))
+
+
+def host_profile(fn, top: int = 30) -> str:
+    """fn() under cProfile: the host functions by cumulative time (waits for the GPU included)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(top)
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
 
 
 def walled(fn) -> tuple[object, float]:
@@ -97,13 +117,14 @@ def measure_row(runtime, text: str, settings: dict) -> dict:
     made = sum(len(r.new_tokens) for r in records)
     event_ms = sum(r.elapsed_ms for r in records)
     _, timeline = profiled(spec)
+    host = host_profile(spec)
     ar, ar_wall_ms = walled(lambda: engine.ar(tokens, decode, eos))
     _, ar_timeline = profiled(lambda: engine.ar(tokens, decode, eos))
     return {"steps": len(records), "tokens": made, "tau": made / max(len(records), 1),
             "run_speedup": final["summary"]["speedup"],
             "spec_event_ms_per_token": event_ms / made, "spec_wall_ms_per_token": wall_ms / made,
             "ar_event_ms_per_token": ar.ms_per_token, "ar_wall_ms_per_token": ar_wall_ms / len(ar.tokens),
-            "spec_timeline": timeline, "ar_timeline": ar_timeline,
+            "spec_timeline": timeline, "host_profile": host, "ar_timeline": ar_timeline,
             "time_split_ms": {k: sum(r.times_ms.get(k, 0.0) for r in records) / len(records)
                               for k in ("draft", "verify", "accept")}}
 
