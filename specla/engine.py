@@ -349,7 +349,7 @@ class Engine:
         clock.mark()
         draft_ms = clock.read()[0]
         times = replay_phases(spec, steps, clock)
-        yield from logged_steps(st.log, 0, times, draft_ms, [{"drafter": "oracle"}] * steps, spec.mode)
+        yield from logged_steps(st.log.read(0, steps), times, draft_ms, [{"drafter": "oracle"}] * steps, spec.mode)
 
     def _oracle_decoder(self, oracle, settings: DecodeSettings, draft_settings: DraftSettings) -> dict:
         """The captured oracle step for these settings: a chain of `budget` drafts, or levels

@@ -24,7 +24,8 @@ from specla.tree import DraftTree
 
 # Okabe-Ito colours (colour-blind safe)
 PROMPT, DRAFT, BONUS, REJECTED = "#6b7280", "#0072B2", "#E69F00", "#D55E00"
-PHASES = {"draft": "#56B4E9", "verify": "#009E73", "accept": "#F0E442", "commit": "#D55E00"}
+PHASES = {"draft": "#56B4E9", "verify": "#009E73", "accept": "#F0E442", "commit": "#D55E00",
+          "idle": "#999999"}     # idle: the GPU waiting for the host between batches of steps
 PRUNED = "#c4c4c4"
 LEAN = go.layout.Template(layout=dict(
     font=dict(family="sans-serif", size=12), paper_bgcolor="white", plot_bgcolor="white",

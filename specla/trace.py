@@ -16,7 +16,8 @@ A trace is plain JSON (see docs/TRACE.md for the schema, version 1):
     step = {"index", "root", "tree": {"tokens", "parents", "logprobs", "pruned"},
             "draft_probs", "target_probs", "target_choice", "accepted_nodes" (root first),
             "accepted_tokens", "bonus", "new_tokens", "mode", "commit": {...},
-            "times_ms": {"draft", "verify", "accept", "commit"}, "lattice": {...} | null}
+            "times_ms": {"draft", "verify", "accept", "commit", "idle"}, "lattice": {...} | null}
+    (graphed: "idle" is the time the GPU waited for the host before the step's batch began)
 """
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ def summarize(steps: list[dict], seconds: float, baseline: dict | None) -> dict:
         per_position.append(round(sum(len(s["accepted_tokens"]) >= depth for s in reached)
                                   / max(1, len(reached)), 4))
     times = {k: round(sum(s["times_ms"].get(k, 0.0) for s in steps), 3)
-             for k in ("draft", "verify", "accept", "commit")}
+             for k in ("draft", "verify", "accept", "commit", "idle")}
     tokens_per_s = produced / seconds if seconds > 0 else 0.0
     out = {
         "new_tokens": produced,

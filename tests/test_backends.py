@@ -94,12 +94,35 @@ def test_graphed_state_equals_a_replay(cpu_pair):
     graphed = Engine(target, "graphed", use_graph=False)
     settings = DecodeSettings(max_new_tokens=20)
     records = list(graphed.speculate(prompts[0], drafters["lilicorr"], settings, SHAPES["best-first"]))
-    made = [t for r in records for t in r.acceptance.tokens + [r.acceptance.bonus]]
+    yielded = [t for r in records for t in r.acceptance.tokens + [r.acceptance.bonus]]
     dec = graphed.decoder(drafters["lilicorr"], settings, SHAPES["best-first"])
+    made = dec.state.output()         # the steps a batch ran past the decode's end included
+    assert made[:len(yielded)] == yielded
     state = dec.state_after()
     want = replay_state(target, prompts[0] + made[:-1])
     assert torch.allclose(state.recurrent, want.recurrent, rtol=1e-4, atol=1e-5)
     assert torch.allclose(state.conv[..., 1:], want.conv, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[needs_cuda, pytest.mark.gpu])])
+def test_readback_returns_the_rows_queued_and_no_later_write(device):
+    """A batch's rows are copied behind the work queued before them: a write queued after the
+    copy does not show in what `take` returns (on CUDA, without waiting for that write)."""
+    from specla.graphs.readback import Readback
+
+    buf = torch.arange(40, device=device).view(10, 4)
+    rb = Readback({"x": buf}, rows=4)
+    rb.enqueue(2, 3)
+    buf.add_(100)
+    assert rb.take() == {"x": [list(range(8, 12)), list(range(12, 16)), list(range(16, 20))]}
+    rb.enqueue(0, 1)
+    with pytest.raises(RuntimeError, match="not taken"):
+        rb.enqueue(1, 1)
+    rb.discard()
+    with pytest.raises(RuntimeError, match="no rows"):
+        rb.take()
+    with pytest.raises(ValueError, match="exceed"):
+        rb.enqueue(0, 5)
 
 
 def test_plan_says_where_a_step_runs(cpu_pair):

@@ -218,9 +218,54 @@ def test_device_draft_decoder_equals_ar_greedy(kind, shape):
         tokens, accepted, steps = decode(dec, prompt, n)
         assert tokens[:n] == ref, f"prompt {seed}: device-drafted decoding left AR"
         assert n <= len(tokens) < n + BLOCK         # stops at the first step reaching n
-        assert all(set(st.times_ms) == {"draft", "verify", "accept"} for st in steps)
+        phases = [set(st.times_ms) - {"idle"} for st in steps]
+        assert all(p == {"draft", "verify", "accept"} for p in phases) and "idle" in steps[0].times_ms
         accepted_any |= any(accepted)
     assert accepted_any, "no draft token was ever accepted: the test exercises rejections only"
+
+
+def record_of(step) -> tuple:
+    return step.tree.tokens, step.tree.parents, step.outcome, step.choice, step.target_prob, step.details
+
+
+@pytest.mark.parametrize("max_batch", [1, 3])
+def test_queued_batches_of_any_size_give_the_same_steps(max_batch, monkeypatch):
+    """Steps queued in batches (each queued before the one before it is read back) give the
+    same records whatever the batch size: trees, acceptance, the target's picks and the
+    drafter's lattice rows, read back beside their own steps."""
+    from specla.graphs import decoders
+
+    target, drafter = pair("lilicorr", vocab=16, seed=2)
+    rt = PackedTarget(target)
+    settings = DraftSettings(tree="best-first", block_size=BLOCK, top_k=3, budget=9)
+    prompt = prompt_of(8, vocab=16)
+
+    def run():
+        dec = GraphedDecoder(rt, DeviceBlockDrafter(drafter, settings), settings, capacity=56, use_graph=False)
+        return decode(dec, prompt, 40)[2]
+
+    want = run()
+    monkeypatch.setattr(decoders, "MAX_BATCH", max_batch)
+    got = run()
+    assert [record_of(s) for s in got] == [record_of(s) for s in want]
+    assert len(got) > 3 and all(len(s.details["lattice"]["chosen"]) == BLOCK - 1 for s in got)
+    if max_batch == 1:      # every step is a batch of its own, so each carries the device's wait
+        assert all(s.times_ms["idle"] >= 0 for s in got)
+
+
+def test_queued_batches_stay_within_capacity_and_stop_at_n():
+    """A decode as long as the decoder's capacity: no step is queued past the step log, and
+    none is yielded after the one that reaches n (steps a batch ran past n stay unread)."""
+    target, drafter = pair("block", vocab=16, seed=2)
+    rt = PackedTarget(target)
+    settings = chain_settings()
+    n = 24
+    dec = GraphedDecoder(rt, DeviceBlockDrafter(drafter, settings), settings, capacity=n, use_graph=False)
+    for length in (5, 9):
+        tokens, _, steps = decode(dec, prompt_of(length, vocab=16), n)
+        queued = int(dec.state.step.item())
+        assert len(steps) <= queued <= dec.state.log.steps - 1
+        assert len(tokens) - (steps[-1].outcome.accepted + 1) < n <= len(tokens)
 
 
 # a preset with branches at depths 1 to 3 and ranks up to 2

@@ -20,6 +20,7 @@ Every body also runs eagerly (`use_graph=False`, the CPU), so the tests check th
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Iterator
 
@@ -29,11 +30,13 @@ from specla.accept import accept_sampling
 from specla.decode import target_probs
 from specla.drafters.base import Accepted, DraftContext, DraftSettings
 from specla.graphs.buckets import bucket, max_path_for, padded_nodes
+from specla.graphs.readback import Readback
 from specla.graphs.runtime import PackedTarget, PhaseClock, StaticState, capture, sync
-from specla.graphs.spec import GraphedSpec, SpecState, StepOutcome, replay_phases
+from specla.graphs.spec import GraphedSpec, LoggedSteps, SpecState, StepOutcome, enqueue_phases, step_times
 from specla.tree import DraftTree
 
 MAX_BATCH = 64          # device-drafted steps replayed between two readbacks
+LOG_FIELDS = tuple(f.name for f in dataclasses.fields(LoggedSteps))
 
 
 @dataclasses.dataclass
@@ -80,6 +83,10 @@ class GraphedDecoder:
             self.state = SpecState(packed, max_path=drafter.max_depth + 1, capacity=capacity,
                                    max_nodes=len(template))
             drafter.bind(self.state.log)
+            drafter_rows = drafter.step_buffers()
+            if set(drafter_rows) & set(LOG_FIELDS):
+                raise ValueError(f"{type(drafter).__name__}'s step buffers reuse a step-log name")
+            self.readback = Readback({**self.state.log.named(), **drafter_rows}, MAX_BATCH)
             # a device-grown tree is verified by the tree kernels, which read the topology from
             # the device; on the CPU the torch recurrence reads the rebuilt masks
             recurrence = "torch" if drafter.dynamic and packed.device.type != "cuda" else recurrence
@@ -156,24 +163,53 @@ class GraphedDecoder:
             yield from self._host_steps(prompt, n)
 
     def _device_steps(self, n: int) -> Iterator[GraphedStep]:
-        st, spec, P = self.state, self.spec, self.state.max_path
-        clock = PhaseClock(self.packed.device)
+        """Device-drafted steps in batches, each queued before the one before it is read, so
+        the device runs a batch while the host turns the last one into records. A batch is
+        sized to finish the decode at the tokens per step seen so far (before any is read, at
+        the most a step can make, so the first batch never runs past n); the steps a batch
+        runs past n are not yielded. The first step of a batch carries the time the device
+        waited for it (`idle`), so the steps' times add up to the device's wall time."""
+        st, spec, P, clock = self.state, self.spec, self.state.max_path, PhaseClock(self.packed.device)
+        first_draft = [clock.stamp()]
         if self.first_graph is not None:
             self.first_graph.replay()
         else:
             self.drafter.propose(spec)
-        clock.mark()
-        draft_ms = clock.read()[0]
-        done, produced = 0, 0
-        while produced < n:
-            batch = min(MAX_BATCH, max(1, (n - produced) // P))
-            times = replay_phases(spec, batch, clock)
-            for step in logged_steps(st.log, done, times, draft_ms, self.drafter.details(done, done + batch),
-                                     spec.mode):
+        first_draft.append(clock.stamp())
+        last_mark, draft_ms = first_draft[-1], None
+        launched = made = read = produced = 0
+
+        def launch() -> list | None:
+            nonlocal launched
+            tau = made / read if read else P
+            count = min(MAX_BATCH, math.ceil((n - made) / tau), st.log.steps - 1 - launched)
+            if count <= 0:
+                return None
+            marks = enqueue_phases(spec, count, clock)
+            self.readback.enqueue(launched, count)
+            launched += count
+            return marks
+
+        self.readback.discard()                           # a batch an abandoned decode left queued
+        marks = launch()
+        while marks is not None:
+            rows = self.readback.take()
+            if draft_ms is None:
+                draft_ms = clock.gaps(first_draft)[0]
+            gaps = clock.gaps([last_mark] + marks)        # the device's wait, then each phase
+            last_mark = marks[-1]
+            logged = LoggedSteps(**{f: rows[f] for f in LOG_FIELDS})
+            made += sum(r[0] + 1 for r in logged.result)
+            read += len(logged.result)
+            marks = launch()                              # runs while this batch is yielded
+            times = step_times(gaps[1:])
+            details = self.drafter.details(rows, len(times))
+            for step in logged_steps(logged, times, draft_ms, details, spec.mode, idle_ms=gaps[0]):
                 produced += step.outcome.accepted + 1
                 yield step
+                if produced >= n:
+                    return
             draft_ms = times[-1][2]
-            done += batch
 
     def _host_steps(self, prompt: list[int], n: int) -> Iterator[GraphedStep]:
         st, dev = self.state, self.packed.device
@@ -237,18 +273,22 @@ class GraphedDecoder:
         return self.spec.logits.clone()
 
     def state_after(self) -> StaticState:
-        """The decoded state with the pending commit folded in (the live state untouched)."""
+        """The decoded state with the pending commit folded in (the live state untouched): after
+        every step run, those of a batch that ran past the decode's end included."""
         return self.state.folded_copy()
 
 
-def logged_steps(log, start: int, times: list[tuple[float, float, float]], draft_ms: float,
-                 details: list[dict], mode: str) -> list[GraphedStep]:
-    """Steps start.. of a step log, with their phase times from `replay_phases` (each step's
-    draft was timed at the end of the step before; the first one's is `draft_ms`)."""
-    logged = log.read(start, start + len(times))
+def logged_steps(logged: LoggedSteps, times: list[tuple[float, float, float]], draft_ms: float,
+                 details: list[dict], mode: str, idle_ms: float | None = None) -> list[GraphedStep]:
+    """The steps of a batch of step-log rows, with their phase times from `replay_phases`
+    (each step's draft was timed at the end of the step before; the first one's is
+    `draft_ms`, and the first one also carries `idle_ms` where given)."""
     drafts = [draft_ms] + [t[2] for t in times[:-1]]
-    return [_from_log(logged, i, {"draft": drafts[i], "verify": t[0], "accept": t[1]}, details[i], mode)
-            for i, t in enumerate(times)]
+    steps = [_from_log(logged, i, {"draft": drafts[i], "verify": t[0], "accept": t[1]}, details[i], mode)
+             for i, t in enumerate(times)]
+    if steps and idle_ms is not None:
+        steps[0].times_ms["idle"] = idle_ms
+    return steps
 
 
 def _from_log(logged, i: int, times_ms: dict, details: dict, mode: str,

@@ -64,6 +64,14 @@ class _DeviceDrafter:
     def bind(self, log: StepLog) -> None:
         self.step_log = log
 
+    def step_buffers(self) -> dict[str, torch.Tensor]:
+        """The per-step device buffers (row s: step s) the trace's details are read from."""
+        return {}
+
+    def details(self, rows: dict[str, list], count: int) -> list[dict]:
+        """Per-step JSON details of `count` steps from host copies of `step_buffers` rows."""
+        return [{"drafter": self.kind} for _ in range(count)]
+
     def write(self, spec: GraphedSpec, grown: GrownTree, proposal: torch.Tensor | None = None) -> None:
         """The next step's draft into `spec`, and its log-probs into the step log's row."""
         if proposal is not None:
@@ -410,18 +418,20 @@ class DeviceBlockDrafter(_DeviceDrafter):
             buf.index_copy_(0, row, scores[name][None].to(buf.dtype))
 
     # -- the trace --------------------------------------------------------------------------
-    def details(self, start: int, stop: int) -> list[dict]:
-        """Per-step JSON details of rows start..stop-1, as the host drafter writes them."""
-        host = {name: buf[start:stop].tolist() for name, buf in self.log.items()}
+    def step_buffers(self) -> dict[str, torch.Tensor]:
+        return self.log
+
+    def details(self, rows: dict[str, list], count: int) -> list[dict]:
+        """The slot candidates (LiLiCorr: its lattice and walk), as the host drafter writes them."""
         out = []
-        for i in range(stop - start):
+        for i in range(count):
             if not self.lilicorr:
-                out.append({"drafter": "block", "slots": {"candidates": host["cand"][i],
-                                                          "logprobs": host["cand_logp"][i]}})
+                out.append({"drafter": "block", "slots": {"candidates": rows["cand"][i],
+                                                          "logprobs": rows["cand_logp"][i]}})
                 continue
             out.append({"drafter": "lilicorr", "lattice": {
-                "candidates": host["cand"][i], "logprobs": host["cand_logp"][i],
-                "start": host["start"][i], "pair": host["pair"][i], "chosen": host["chosen"][i],
+                "candidates": rows["cand"][i], "logprobs": rows["cand_logp"][i],
+                "start": rows["start"][i], "pair": rows["pair"][i], "chosen": rows["chosen"][i],
                 "top1": [0] * self.slots}})
         return out
 
@@ -559,9 +569,6 @@ class DeviceEagleDrafter(_DeviceDrafter):
     def propose(self, spec: GraphedSpec) -> None:
         self.write(spec, *self._grow(spec.state.root))
 
-    def details(self, start: int, stop: int) -> list[dict]:
-        return [{"drafter": "eagle"} for _ in range(stop - start)]
-
 
 class DeviceNgramDrafter(_DeviceDrafter):
     """The model-free n-gram drafter inside the step graphs: `specla.drafters.ngram`'s tensor
@@ -667,9 +674,6 @@ class DeviceNgramDrafter(_DeviceDrafter):
             return
         self.kernel(self.history, self.length, spec.tokens[0, 1:], (spec.result, spec.tokens[0]))
         self.log_draft(spec, self.zero_logp)
-
-    def details(self, start: int, stop: int) -> list[dict]:
-        return [{"drafter": "ngram"} for _ in range(stop - start)]
 
 
 def _trie_weights(tokens: torch.Tensor, valid: torch.Tensor, score: torch.Tensor) -> torch.Tensor:

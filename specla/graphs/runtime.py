@@ -245,9 +245,10 @@ class Stopwatch:
 class PhaseClock:
     """Per-phase milliseconds of replays, with no host sync until they are read.
 
-    `mark()` after each phase records a CUDA event (on the CPU a perf_counter reading, the
-    eager body having run to completion); `read()` waits for the last mark and returns the
-    gaps between consecutive marks since the previous read.
+    A mark is a CUDA event (on the CPU a perf_counter reading, the eager body having run to
+    completion). `stamp()` makes one; `gaps(marks)` waits for the last of them and returns
+    the milliseconds between consecutive ones. `mark()` keeps its stamp, and `read()` returns
+    the gaps between the marks kept since the previous read.
     """
 
     def __init__(self, device):
@@ -255,22 +256,27 @@ class PhaseClock:
         self.marks: list = []
         self.mark()
 
-    def mark(self) -> None:
+    def stamp(self):
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
+            return event
+        return time.perf_counter()
+
+    def mark(self) -> None:
+        self.marks.append(self.stamp())
 
     def restart(self) -> None:
         """Start counting from now (host work since the last mark is not a phase)."""
         self.marks = []
         self.mark()
 
-    def read(self) -> list[float]:
-        marks, self.marks = self.marks, self.marks[-1:]
+    def gaps(self, marks: list) -> list[float]:
         if self.cuda:
             marks[-1].synchronize()
             return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
         return [1e3 * (b - a) for a, b in zip(marks, marks[1:])]
+
+    def read(self) -> list[float]:
+        marks, self.marks = self.marks, self.marks[-1:]
+        return self.gaps(marks)

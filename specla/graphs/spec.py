@@ -138,12 +138,14 @@ class StepLog:
         """The row index of a device step counter (the last row absorbs any overflow)."""
         return step.clamp(max=self.steps - 1)
 
+    def named(self) -> dict[str, torch.Tensor]:
+        """The fields by name, as `LoggedSteps` names them."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(LoggedSteps)}
+
     def read(self, start: int, stop: int) -> "LoggedSteps":
         """Rows start..stop-1 as host lists (one copy per field)."""
         stop = min(stop, self.steps)
-        return LoggedSteps(self.tokens[start:stop].tolist(), self.parents[start:stop].tolist(),
-                           self.choice[start:stop].tolist(), self.target_prob[start:stop].tolist(),
-                           self.draft_logp[start:stop].tolist(), self.result[start:stop].tolist())
+        return LoggedSteps(**{name: buf[start:stop].tolist() for name, buf in self.named().items()})
 
 
 @dataclasses.dataclass
@@ -577,16 +579,27 @@ class GraphedSpec:
                                        dtype=torch.long))
 
 
-def replay_phases(spec: GraphedSpec, steps: int, clock: PhaseClock) -> list[tuple[float, float, float]]:
-    """Replay `steps` steps phase by phase with a mark after each; per step the milliseconds
-    of (verify, accept, draft), the draft being the next step's."""
-    clock.restart()
+def enqueue_phases(spec: GraphedSpec, steps: int, clock: PhaseClock) -> list:
+    """Queue `steps` steps phase by phase, with no host sync. Returns the clock's marks: one
+    before the steps (from the mark before it, the time the device waited for them) and one
+    after each phase."""
+    marks = [clock.stamp()]
     for _ in range(steps):
         for phase in PHASES:
             spec.run(phase)
-            clock.mark()
-    gaps = clock.read()
-    return [tuple(gaps[3 * i:3 * i + 3]) for i in range(steps)]
+            marks.append(clock.stamp())
+    return marks
+
+
+def step_times(gaps: list[float]) -> list[tuple[float, float, float]]:
+    """Per step (verify, accept, draft) milliseconds from the gaps between a batch's phase marks."""
+    return [tuple(gaps[3 * i:3 * i + 3]) for i in range(len(gaps) // 3)]
+
+
+def replay_phases(spec: GraphedSpec, steps: int, clock: PhaseClock) -> list[tuple[float, float, float]]:
+    """Replay `steps` steps phase by phase with a mark after each; per step the milliseconds
+    of (verify, accept, draft), the draft being the next step's."""
+    return step_times(clock.gaps(enqueue_phases(spec, steps, clock)))
 
 
 @torch.no_grad()
