@@ -148,7 +148,7 @@ def test_engine_chain_rows_and_head_share():
         assert math.isclose(row["tau"], row["tokens"] / row["target_forwards"])
         assert math.isclose(row["speedup"], row["ar_ms_per_token"]["median"] / row["ms_per_token"]["median"])
         split = row["time_split_ms_per_step"]
-        assert set(split) == {"verify", "accept", "draft"}
+        assert {"verify", "accept", "draft"} <= set(split) <= {"verify", "accept", "draft", "idle"}
         assert math.isclose(row["gpu_step_ms"], sum(split.values()))
         rows.append(row)
     share = head.head_share(rows)
