@@ -285,7 +285,11 @@ class Engine:
     def _key(drafter, settings: DecodeSettings, draft_settings: DraftSettings) -> tuple:
         """What a captured decoder depends on besides where it drafts."""
         net = getattr(getattr(drafter, "inner", drafter), "net", None)
-        return (type(drafter).__name__, id(net) if net is not None else id(drafter),
+        if net is not None:
+            ident = id(net)
+        else:   # a model-free drafter: the app's per-run copy of it must not capture again
+            ident = drafter.settings_key() if hasattr(drafter, "settings_key") else id(drafter)
+        return (type(drafter).__name__, ident,
                 dataclasses.astuple(_draft_settings(settings, draft_settings)), settings.mode, settings.deferred,
                 _capacity(settings.max_new_tokens), settings.temperature, settings.top_p,
                 tuple(map(tuple, getattr(drafter, "paths", None) or ())))

@@ -315,6 +315,27 @@ def test_device_ngram_drafter_equals_the_host_one(shape, compiled):
     assert sum(len(r.acceptance.tokens) for r in b) > 0, "the loop should be drafted and accepted"
 
 
+def test_copies_of_a_model_free_drafter_share_one_captured_decoder():
+    """The app decodes with a copy of the n-gram drafter per run: a copy with the same settings
+    reuses the decoder captured for the first (no capture per run), other settings do not."""
+    import copy
+
+    from specla.drafters import model_free_drafter
+    from tests.helpers import random_target
+
+    target = random_target(vocab=8, seed=3)
+    drafter = model_free_drafter("ngram", target)
+    graphed = Engine(target, "graphed", use_graph=False)
+    settings, ds = DecodeSettings(max_new_tokens=12), DraftSettings(tree="chain", budget=4, depth=4)
+    runs = [list(graphed.speculate([1, 2, 3, 1, 2], copy.copy(drafter), settings, ds)) for _ in range(2)]
+    assert [r.new_tokens for r in runs[0]] == [r.new_tokens for r in runs[1]]
+    assert len(graphed._decoders) == 1
+    other = model_free_drafter("ngram", target)
+    other.max_ngram = drafter.max_ngram - 1
+    list(graphed.speculate([1, 2, 3, 1, 2], other, settings, ds))
+    assert len(graphed._decoders) == 2
+
+
 def test_a_compiled_acceptance_that_fails_captures_uncompiled(cpu_pair):
     """torch.compile failing on the acceptance (a compiler bug, a missing toolchain): the phase
     is captured with the plain ops instead, and the spec says why."""

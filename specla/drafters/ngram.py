@@ -207,6 +207,12 @@ class NgramDrafter:
         self.capacity, self.device = capacity, torch.device(device)
         self._clear()
 
+    def settings_key(self) -> tuple:
+        """What a drafter built from these settings drafts from besides its sequence: two
+        drafters with equal keys draft alike, so a captured decoder serves both."""
+        return (self.vocab_size, self.max_ngram, self.min_ngram, self.order, self.pool, self.capacity,
+                str(self.device))
+
     def _clear(self) -> None:
         # new tensors, never written in place: a shallow copy of the drafter (one per app run)
         # must not share its sequence with the original
