@@ -300,6 +300,25 @@ def projection_tilings(prologue: str, K: int, quick: bool, M: int = 1, head: int
     return tilings
 
 
+def swapped_tilings(K: int, quick: bool, head: int = 0) -> list[dict]:
+    """The tl.dot form with the weight tile on the MMA's M side (`swap`): block_n (weight
+    rows a tile, 64 or more for Hopper's warpgroup MMA) x block_k x num_stages x split_k,
+    whole heads for the gated norm. At most 16 tilings a shape, 4 quick."""
+    ns, ks, stages, splits = ((64, 128), (128,), (4,), (1, 4)) if quick else ((64, 128), (64, 128), (4,), (1, 2, 4, 8))
+    k_blocks = lambda bk: -(-K // bk)  # noqa: E731
+    runs = lambda bk, s: -(-k_blocks(bk) // -(-k_blocks(bk) // s)) == s  # noqa: E731 - the slices that run
+    fit = [bk for bk in ks if bk % max(head, 1) == 0] or [head]
+    return [{"swap": True, "block_n": bn, "block_k": bk, "num_stages": st, "split_k": s}
+            for bn in ns for bk in fit for st in stages for s in splits if runs(bk, s)]
+
+
+def tiling_form(blocks: dict) -> str:
+    """Which form of the fused projection a tiling asks for: default, gemv, dot or swap."""
+    if not blocks:
+        return "default"
+    return "swap" if blocks.get("swap") else "gemv" if blocks.get("gemv") else "dot"
+
+
 # ---------------------------------------------------------------------------------------
 
 class Bench:
@@ -526,11 +545,13 @@ class Bench:
         if status.item():
             raise RuntimeError("a grid barrier gave up waiting")
 
-    def projection_sweep(self, rows=(1, 9), models: tuple[str, ...] = ()) -> None:
+    def projection_sweep(self, rows=(1, 9), models: tuple[str, ...] = (),
+                         forms: tuple[str, ...] = ("default", "gemv", "dot", "swap")) -> None:
         """The fused projections' tilings (kernels/triton_projection.py) against the default
         path, fla's separate norm / SwiGLU kernel then cuBLAS, per layer in bf16, at the
         embedded model's widths and the GDN-1.3B shape's. A tiling whose output leaves the
-        reference's is recorded as an error, not timed."""
+        reference's is recorded as an error, not timed; `forms` (`tiling_form`) limits the
+        tilings timed."""
         from kernels import triton_projection as tp
         from specla.graphs.ops import FlaOps
 
@@ -547,13 +568,18 @@ class Bench:
                     want = project(fla, prologue, inputs[0])
                     head = config.head_v_dim if prologue == "gated_norm" else 0
                     picked = tp.picked_tiling(M, N, K, torch.bfloat16, head, self.dev)
-                    for blocks in projection_tilings(prologue, K, self.replays < 40, M, head):
+                    quick = self.replays < 40
+                    tilings = projection_tilings(prologue, K, quick, M, head) + swapped_tilings(K, quick, head)
+                    for blocks in (b for b in tilings if tiling_form(b) in forms):
                         err = self.projection_error("projection_fused", prologue, inputs[0], want,
                                                     {**info, **blocks}, **blocks)
                         if err is None:
                             continue
-                        self.run("projection_fused", lambda l, i=inputs, b=blocks: project(tp, prologue, i[l], **b),
-                                 **info, **(blocks or {"default": picked}), rel_err=err)
+                        rec = self.run("projection_fused",
+                                       lambda l, i=inputs, b=blocks: project(tp, prologue, i[l], **b),
+                                       **info, **(blocks or {"default": picked}), rel_err=err)
+                        if rec is not None:
+                            rec["weight_GBps"] = N * K * 2 / (rec["us"]["median"] * 1e3)
 
     def projection_error(self, name: str, prologue: str, inputs: dict, want: torch.Tensor, info: dict,
                          **blocks) -> float | None:
@@ -768,6 +794,8 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default="", help="comma list of the only sections to run")
     parser.add_argument("--projection-rows", default="1,9",
                         help="comma list of row counts the projection sweep times")
+    parser.add_argument("--projection-forms", default="default,gemv,dot,swap",
+                        help="comma list of the projection sweep's tiling forms (default, gemv, dot, swap)")
     parser.add_argument("--projection-models", default="",
                         help="comma list of the projection sweep's models (embedded, gdn-1.3b; all if empty)")
     args = parser.parse_args(argv)
@@ -800,7 +828,8 @@ def main(argv=None) -> int:
                 ("gemv", lambda: bench.gemv_sweep(tuple(filter(None, args.projection_models.split(","))))),
                 ("projection", lambda: bench.projection_sweep(
                     tuple(int(r) for r in args.projection_rows.split(",")),
-                    tuple(filter(None, args.projection_models.split(",")))))]
+                    tuple(filter(None, args.projection_models.split(","))),
+                    tuple(filter(None, args.projection_forms.split(",")))))]
     def save() -> dict:
         """Both files, rewritten after every section: a timeout loses only the running one."""
         auto_rule = fit_auto_rule(bench.results, bench.tv.MAX_TREE_NODES)

@@ -32,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kernels import pdl  # noqa: E402
+from kernels import pdl, triton_projection as projection  # noqa: E402
 from specla.graphs import ops as graph_ops  # noqa: E402
 from specla.graphs import draft_step, whole_step  # noqa: E402
 from specla import runner  # noqa: E402
@@ -181,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(kernels/triton_verify_step.py); +nodraft drafts a block drafter's block with torch "
                         "ops, not one persistent launch (kernels/triton_draft_step.py); +noaccept accepts a "
                         "chain with torch ops after its verification, not in the same launch "
-                        "(kernels/triton_chain_accept.py)")
+                        "(kernels/triton_chain_accept.py); +swap runs the projections of several rows of a large "
+                        "matrix fused, in the swapped tl.dot form (kernels/triton_projection.py), not cuBLAS; "
+                        "+noswap keeps them on cuBLAS")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
     p.add_argument("--speed-limit", type=int, default=8)
     p.add_argument("--tokens", type=int, default=128)
@@ -202,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     step_max_state = graph_ops.FUSED_STEP_MAX_STATE
     whole_max_hidden = whole_step.WHOLE_STEP_MAX_HIDDEN
+    swap_min_bytes = projection.SWAP_MIN_BYTES
     for name in args.ops.split(","):
         ops, *flags = name.split("+")
         pdl.use_pdl("nopdl" not in flags)
@@ -212,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         whole_step.WHOLE_VERIFY = "noverify" not in flags
         draft_step.PERSISTENT_DRAFT = "nodraft" not in flags
         whole_step.FUSED_ACCEPT = "noaccept" not in flags
+        projection.SWAP_MIN_BYTES = (projection.LATENCY_BOUND_BYTES if "swap" in flags else None if "noswap" in flags
+                                     else swap_min_bytes)
         try:
             variant, engine = count_bodies(runtime, ops, args)
             variant["pdl"] = pdl.pdl_applies(runtime.device)
@@ -224,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             graph_ops.FUSED_STEP_MAX_STATE = step_max_state
             whole_step.WHOLE_STEP_MAX_HIDDEN, whole_step.WHOLE_STEP_PROGRAMS = whole_max_hidden, None
             whole_step.WHOLE_VERIFY = draft_step.PERSISTENT_DRAFT = whole_step.FUSED_ACCEPT = True
+            projection.SWAP_MIN_BYTES = swap_min_bytes
         result["variants"][name] = variant
         (args.out / "launch_counts.json").write_text(json.dumps(result, indent=1))   # kept if a later set fails
     return 0

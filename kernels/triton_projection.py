@@ -55,6 +55,14 @@ MAX_SPLIT = 16
 # its default tiling trades grid size for fewer of them (`_latency_bound_tiling`).
 LATENCY_BOUND_BYTES = 4 << 20
 DEFAULT_SMS = 132          # an H200's, where the device cannot be asked (the interpreter)
+# Rows past the GEMV form's of a matrix of at least this many weight bytes take the swapped
+# tl.dot form by default (`_swapped_tiling`); None: never by default.
+SWAP_MIN_BYTES: int | None = None
+
+
+def swaps(M: int, weight_bytes: int) -> bool:
+    """Whether a call of M rows with no tiling keywords runs the swapped tl.dot form."""
+    return M > MAX_GEMV_ROWS and SWAP_MIN_BYTES is not None and weight_bytes >= SWAP_MIN_BYTES
 
 
 @triton.jit
@@ -68,6 +76,18 @@ def _dot(h, w, DOT: tl.constexpr):
     if DOT == "emulate":
         return tl.dot(h.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
     return tl.dot(h, tl.trans(w))
+
+
+@triton.jit
+def _dot_swapped(h, w, DOT: tl.constexpr):
+    """w[BN, BK] @ h[BM, BK].T -> [BN, BM]: `_dot` with the weight tile as the MMA's M side.
+    Hopper's warpgroup MMA takes 64 rows or more on that side; 16 input rows alone get the
+    small synchronous MMA."""
+    if DOT == "ieee":
+        return tl.dot(w, tl.trans(h), input_precision="ieee")
+    if DOT == "emulate":
+        return tl.dot(w.to(tl.float32), tl.trans(h.to(tl.float32)), input_precision="ieee")
+    return tl.dot(w, tl.trans(h))
 
 
 @triton.jit
@@ -189,11 +209,12 @@ def _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl
 def _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl.constexpr,
                PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr, HEAD: tl.constexpr,
                DOT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WAIT: tl.constexpr,
-               sync):
+               sync, SWAP: tl.constexpr = False):
     """[BM, BN] fp32 products over the K columns [k_lo, k_hi) by tl.dot (num_stages
     pipelines the weight loads). WAIT 2: inside a persistent kernel, the first weight tile
     is loaded before the grid barrier `sync` (as `_gemv_slice` does) and each next tile
-    before the current one's product."""
+    before the current one's product. SWAP: the products as w @ h.T ([BN, BM], transposed
+    once at the end), so a block of 64 or more weight rows fills the MMA's M side."""
     rows = tl.arange(0, BM)
     r_mask = rows < M
     offs = tl.arange(0, BK)
@@ -203,7 +224,10 @@ def _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl.
     rstd = tl.zeros([BM], dtype=tl.float32)
     if PROLOGUE == 0:
         rstd = _row_rstd(src, rows, r_mask, K, eps, HAS_RES, BM, BK)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if SWAP:
+        acc_t = tl.zeros([BN, BM], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         ks = k0 + offs
         k_mask = ks < k_hi
@@ -212,11 +236,16 @@ def _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl.
         if WAIT == 2:
             nks = ks + BK
             w_next = tl.load(w_rows + nks[None, :], mask=c_mask[:, None] & (nks < k_hi)[None, :], other=0.0)
-            acc += _dot(h, wb, DOT)
-            wb = w_next
         else:
             wb = tl.load(w_rows + ks[None, :], mask=c_mask[:, None] & k_mask[None, :], other=0.0)
+        if SWAP:
+            acc_t += _dot_swapped(h, wb, DOT)
+        else:
             acc += _dot(h, wb, DOT)
+        if WAIT == 2:
+            wb = w_next
+    if SWAP:
+        acc = tl.trans(acc_t)
     return acc
 
 
@@ -226,7 +255,7 @@ def _projection_kernel(x, x_stride, res, res_stride, res_out, gate, gate_stride,
                        PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr,
                        DOT: tl.constexpr, GEMV: tl.constexpr, SPLIT: tl.constexpr, HEAD: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False,
-                       VEC: tl.constexpr = 1):
+                       VEC: tl.constexpr = 1, SWAP: tl.constexpr = False):
     """y[:, BN columns] (or, split, one K slice's share of it) for all M rows.
 
     PDL (the GEMV form only): the first weight tile, which no kernel writes, is read before
@@ -249,7 +278,7 @@ def _projection_kernel(x, x_stride, res, res_stride, res_out, gate, gate_stride,
                           (counters, 0, counters))    # no grid barrier: WAIT is not 2
     else:
         acc = _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, w.dtype.element_ty,
-                         PROLOGUE, HAS_RES, SWISH, HEAD, DOT, BM, BN, BK, 0, (counters, 0, counters))
+                         PROLOGUE, HAS_RES, SWISH, HEAD, DOT, BM, BN, BK, 0, (counters, 0, counters), SWAP)
     rows = tl.arange(0, BM)
     out_mask = (rows < M)[:, None] & c_mask[None, :]
     y_ptrs = y + rows[:, None] * y_stride + cols[None, :]
@@ -288,6 +317,7 @@ class Tiling:
     num_warps: int
     num_stages: int | None = None
     packed: bool = True        # GEMV: each thread's 16 bytes of a row summed inside the K loop
+    swap: bool = False         # tl.dot: the weight tile on the MMA's M side (`_dot_swapped`)
 
 
 def _split_parts(K: int, block_k: int, split_k: int) -> tuple[int, int]:
@@ -309,7 +339,7 @@ def _gemv_warps(block_k: int, elem: int) -> int:
 def _tiling(M: int, N: int, K: int, elem: int, head: int, sms: int, gemv: bool | None = None,
             block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
             num_stages: int | None = None, num_warps: int | None = None,
-            packed: bool | None = None) -> Tiling:
+            packed: bool | None = None, swap: bool | None = None) -> Tiling:
     """The caller's keywords, the rest chosen for a weight-streaming step: at least 2
     programs an SM, each streaming 1 KB of each weight row a K step (GEMV: 8 rows for one
     input row, 8 KB a tile; 4 rows for two; 2 KB a row where the column blocks alone do not
@@ -318,9 +348,16 @@ def _tiling(M: int, N: int, K: int, elem: int, head: int, sms: int, gemv: bool |
     while each slice keeps >= 2 K blocks (so the GEMV prefetch overlaps), then narrower GEMV
     blocks, then single-block slices, then smaller K blocks (a small matrix is latency-bound:
     more programs with less each beat fewer with more)."""
+    if swap and gemv:
+        raise ValueError("swap is a form of the tl.dot projection, not of the GEMV one")
+    chosen = (gemv, block_n, block_k, split_k, num_stages, num_warps, packed, swap)
+    if all(c is None for c in chosen) and swaps(M, N * K * elem):
+        swap = True
     gemv = M <= MAX_GEMV_ROWS if gemv is None else gemv
     kpow = triton.next_power_of_2(K)
     bm = triton.next_power_of_2(M) if gemv else max(16, triton.next_power_of_2(M))
+    if swap:
+        return _swapped_tiling(N, K, head, sms, block_n, block_k, split_k, num_stages, num_warps)
     chosen = (block_n, block_k, split_k, num_stages, num_warps, packed)
     if all(c is None for c in chosen) and N * K * elem <= LATENCY_BOUND_BYTES:
         return _latency_bound_tiling(N, K, elem, head, sms, gemv, bm)
@@ -353,6 +390,20 @@ def _tiling(M: int, N: int, K: int, elem: int, head: int, sms: int, gemv: bool |
     warps = num_warps or (_gemv_warps(bk, elem) if gemv else 8 if big else 4)
     stages = num_stages or (2 if big else None)
     return Tiling(gemv, bn, bk, _split_parts(K, bk, split)[0], warps, stages, packed is not False)
+
+
+def _swapped_tiling(N: int, K: int, head: int, sms: int, block_n: int | None, block_k: int | None,
+                    split_k: int | None, num_stages: int | None, num_warps: int | None) -> Tiling:
+    """The tl.dot form with the weight tile on the MMA's M side: 64 weight rows by 128
+    columns a tile (16 KB, four in flight), K split until the blocks fill the GPU twice
+    while each slice keeps two K blocks."""
+    bn = block_n or 64
+    bk = block_k or max(head, 16, min(triton.next_power_of_2(K), 128))
+    split = split_k or 1
+    while split_k is None and triton.cdiv(N, bn) * split < 2 * sms and triton.cdiv(K, bk) >= 4 * split \
+            and split < MAX_SPLIT:
+        split *= 2
+    return Tiling(False, bn, bk, _split_parts(K, bk, split)[0], num_warps or 4, num_stages or 4, swap=True)
 
 
 def _latency_bound_tiling(N: int, K: int, elem: int, head: int, sms: int, gemv: bool, bm: int) -> Tiling:
@@ -441,7 +492,8 @@ def _launch(prologue: str, x2: torch.Tensor, w: torch.Tensor, *, res: torch.Tens
             norm_w: torch.Tensor | None = None, eps: float = 0.0, swish: bool = True, head: int = 0,
             block_k: int | None = None, block_n: int | None = None, num_stages: int | None = None,
             gemv: bool | None = None, split_k: int | None = None, num_warps: int | None = None,
-            packed: bool | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+            packed: bool | None = None, swap: bool | None = None,
+            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = prologue(x2) @ w.T for x2 [M, K*] and w [N, K], in out_dtype (default w's);
     tiling keywords left None are chosen by `_tiling` (head: the gated norm's head width, 0
     for the others)."""
@@ -449,7 +501,7 @@ def _launch(prologue: str, x2: torch.Tensor, w: torch.Tensor, *, res: torch.Tens
     if not w.is_contiguous():
         raise ValueError("the weight must be contiguous [N, K]")
     t = _tiling(M, N, K, w.element_size(), head, _sm_count(w.device), gemv, block_n, block_k, split_k,
-                num_stages, num_warps, packed)
+                num_stages, num_warps, packed, swap)
     _check(M, head, t)
     BM = triton.next_power_of_2(M) if t.gemv else max(16, triton.next_power_of_2(M))
     split, k_slice = _split_parts(K, t.block_k, t.split_k)
@@ -468,14 +520,14 @@ def _launch(prologue: str, x2: torch.Tensor, w: torch.Tensor, *, res: torch.Tens
         partials, counters, M, N, K, k_slice, eps, PROLOGUE=PROLOGUES[prologue], HAS_RES=res is not None,
         SWISH=swish, DOT=_dot_mode(w.dtype), GEMV=t.gemv, SPLIT=split, HEAD=max(head, 1),
         BM=BM, BN=t.block_n, BK=t.block_k, VEC=min(t.block_k, 16 // w.element_size()) if t.packed else 1,
-        **options)
+        SWAP=t.swap, **options)
     return y
 
 
 def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, residual: torch.Tensor | None,
                 w: torch.Tensor, **blocks) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) @ w.T, x + residual) for x [..., K], w [N, K]. `blocks`
-    (block_k, block_n, num_stages, gemv, split_k) override the kernel's tiling; out_dtype
+    (block_k, block_n, num_stages, gemv, split_k, swap) override the kernel's tiling; out_dtype
     (say fp32 logits from an LM head) that of the product, w's by default."""
     x2 = _rows(x)
     res2 = _rows(residual) if residual is not None else None
@@ -488,7 +540,7 @@ def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, residual: tor
 def gated_norm_linear(o: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor, eps: float,
                       activation: str, w: torch.Tensor, **blocks) -> torch.Tensor:
     """(rms_norm over each head of o [..., H, V], times act(gate) [..., H*V]) @ w.T. `blocks`
-    (block_k, block_n, num_stages, gemv, split_k) override the tiling; block_k must be a
+    (block_k, block_n, num_stages, gemv, split_k, swap) override the tiling; block_k must be a
     multiple of the head width V."""
     V = o.shape[-1]
     if triton.next_power_of_2(V) != V or V < 16:

@@ -255,7 +255,8 @@ def projection_test_tilings(M: int) -> list[dict]:
     """The default tiling and, around it, the GEMV form (a row or two: several heads a K
     block, narrow and wide N blocks, split-K) and the tl.dot form with and without split-K;
     256-column K blocks are whole heads at both models' head widths (64 and 256)."""
-    tilings = [{}, {"gemv": False, "split_k": 1}, {"gemv": False, "split_k": 4}]
+    tilings = [{}, {"gemv": False, "split_k": 1}, {"gemv": False, "split_k": 4}, {"swap": True},
+               {"swap": True, "block_n": 128, "split_k": 1}]
     if M <= 2:
         tilings += [{"gemv": True, "split_k": 1}, {"gemv": True, "split_k": 4, "block_n": 4},
                     {"gemv": True, "block_k": 256, "block_n": 8 // M, "split_k": 2},
@@ -731,6 +732,8 @@ PROJECTION_TILING_CASES = [
     (9, 96, 40, dict(gemv=False, block_k=32, split_k=4)),
     (1, 128, 40, dict(gemv=True, block_k=64, block_n=8, packed=False)),   # the sum after the loop
     (2, 96, 40, dict(out_dtype=torch.float32)),                           # fp32 out of bf16 weights
+    (9, 128, 40, dict(swap=True, block_k=32, block_n=32, split_k=2)),    # weights on the MMA's M side
+    (1, 96, 33, dict(swap=True, block_k=32, block_n=16)),
 ]
 
 
