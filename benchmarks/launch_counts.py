@@ -181,9 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(kernels/triton_verify_step.py); +nodraft drafts a block drafter's block with torch "
                         "ops, not one persistent launch (kernels/triton_draft_step.py); +noaccept accepts a "
                         "chain with torch ops after its verification, not in the same launch "
-                        "(kernels/triton_chain_accept.py); +swap runs the projections of several rows of a large "
-                        "matrix fused, in the swapped tl.dot form (kernels/triton_projection.py), not cuBLAS; "
-                        "+noswap keeps them on cuBLAS")
+                        "(kernels/triton_chain_accept.py); +noswap runs the projections of 3-16 rows of a large "
+                        "narrow matrix on cuBLAS, not fused in the swapped tl.dot form (kernels/triton_projection.py)")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
     p.add_argument("--speed-limit", type=int, default=8)
     p.add_argument("--tokens", type=int, default=128)
@@ -215,8 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         whole_step.WHOLE_VERIFY = "noverify" not in flags
         draft_step.PERSISTENT_DRAFT = "nodraft" not in flags
         whole_step.FUSED_ACCEPT = "noaccept" not in flags
-        projection.SWAP_MIN_BYTES = (projection.LATENCY_BOUND_BYTES if "swap" in flags else None if "noswap" in flags
-                                     else swap_min_bytes)
+        projection.SWAP_MIN_BYTES = None if "noswap" in flags else swap_min_bytes
         try:
             variant, engine = count_bodies(runtime, ops, args)
             variant["pdl"] = pdl.pdl_applies(runtime.device)

@@ -55,14 +55,26 @@ MAX_SPLIT = 16
 # its default tiling trades grid size for fewer of them (`_latency_bound_tiling`).
 LATENCY_BOUND_BYTES = 4 << 20
 DEFAULT_SMS = 132          # an H200's, where the device cannot be asked (the interpreter)
-# Rows past the GEMV form's of a matrix of at least this many weight bytes take the swapped
-# tl.dot form by default (`_swapped_tiling`); None: never by default.
-SWAP_MIN_BYTES: int | None = None
+# The swapped tl.dot form (`_swapped_tiling`) is the default for 3 to SWAP_MAX_ROWS rows of a
+# matrix of at least SWAP_MIN_BYTES weight bytes and at most SWAP_MAX_COLUMNS output columns
+# (None: never). H100 sweep at 9 rows of the GDN-1.3B shape (benchmarks/results/h100/session23/):
+# the 2048-column out and down projections took 10.4 and 12.3 us a layer against 10.9 and 14.4
+# for fla's norm or SwiGLU kernel + cuBLAS, the 8208- and 11264-column in and up 25.6 and 27.9
+# against cuBLAS's 15.5 and 20.1.
+SWAP_MIN_BYTES: int | None = LATENCY_BOUND_BYTES
+SWAP_MAX_ROWS = 16
+SWAP_MAX_COLUMNS = 4096
+# shared memory the swapped form's pipeline may take: sm_90 has 227 KB a block, and Triton
+# buffers num_stages - 1 pairs of weight and input tiles (ptxas-free check: a 4-stage
+# [64, 256] fp32 tile with 16 input rows asked for 240 KB + a few for barriers)
+SWAP_SHARED_BYTES = 192 << 10
 
 
-def swaps(M: int, weight_bytes: int) -> bool:
-    """Whether a call of M rows with no tiling keywords runs the swapped tl.dot form."""
-    return M > MAX_GEMV_ROWS and SWAP_MIN_BYTES is not None and weight_bytes >= SWAP_MIN_BYTES
+def swaps(M: int, N: int, weight_bytes: int) -> bool:
+    """Whether a call of M rows and N output columns with no tiling keywords runs the
+    swapped tl.dot form."""
+    return (MAX_GEMV_ROWS < M <= SWAP_MAX_ROWS and N <= SWAP_MAX_COLUMNS and SWAP_MIN_BYTES is not None
+            and weight_bytes >= SWAP_MIN_BYTES)
 
 
 @triton.jit
@@ -351,13 +363,13 @@ def _tiling(M: int, N: int, K: int, elem: int, head: int, sms: int, gemv: bool |
     if swap and gemv:
         raise ValueError("swap is a form of the tl.dot projection, not of the GEMV one")
     chosen = (gemv, block_n, block_k, split_k, num_stages, num_warps, packed, swap)
-    if all(c is None for c in chosen) and swaps(M, N * K * elem):
+    if all(c is None for c in chosen) and swaps(M, N, N * K * elem):
         swap = True
     gemv = M <= MAX_GEMV_ROWS if gemv is None else gemv
     kpow = triton.next_power_of_2(K)
     bm = triton.next_power_of_2(M) if gemv else max(16, triton.next_power_of_2(M))
     if swap:
-        return _swapped_tiling(N, K, head, sms, block_n, block_k, split_k, num_stages, num_warps)
+        return _swapped_tiling(M, N, K, elem, head, sms, block_n, block_k, split_k, num_stages, num_warps)
     chosen = (block_n, block_k, split_k, num_stages, num_warps, packed)
     if all(c is None for c in chosen) and N * K * elem <= LATENCY_BOUND_BYTES:
         return _latency_bound_tiling(N, K, elem, head, sms, gemv, bm)
@@ -392,18 +404,23 @@ def _tiling(M: int, N: int, K: int, elem: int, head: int, sms: int, gemv: bool |
     return Tiling(gemv, bn, bk, _split_parts(K, bk, split)[0], warps, stages, packed is not False)
 
 
-def _swapped_tiling(N: int, K: int, head: int, sms: int, block_n: int | None, block_k: int | None,
-                    split_k: int | None, num_stages: int | None, num_warps: int | None) -> Tiling:
-    """The tl.dot form with the weight tile on the MMA's M side: 64 weight rows by 128
-    columns a tile (16 KB, four in flight), K split until the blocks fill the GPU twice
-    while each slice keeps two K blocks."""
+def _swapped_tiling(M: int, N: int, K: int, elem: int, head: int, sms: int, block_n: int | None,
+                    block_k: int | None, split_k: int | None, num_stages: int | None,
+                    num_warps: int | None) -> Tiling:
+    """The tl.dot form with the weight tile on the MMA's M side: 64 weight rows by 64 columns
+    a tile (whole heads for the gated norm), K split until the column blocks fill the GPU
+    once while each slice keeps four K blocks (the H100 sweep's best at the 1.3B shape's
+    out and down projections: split 4 and 8), and as many stages (up to 4) as
+    SWAP_SHARED_BYTES holds."""
     bn = block_n or 64
-    bk = block_k or max(head, 16, min(triton.next_power_of_2(K), 128))
+    bk = block_k or max(head, 16, min(triton.next_power_of_2(K), 64))
     split = split_k or 1
-    while split_k is None and triton.cdiv(N, bn) * split < 2 * sms and triton.cdiv(K, bk) >= 4 * split \
+    while split_k is None and triton.cdiv(N, bn) * split < sms and triton.cdiv(K, bk) >= 4 * split \
             and split < MAX_SPLIT:
         split *= 2
-    return Tiling(False, bn, bk, _split_parts(K, bk, split)[0], num_warps or 4, num_stages or 4, swap=True)
+    bm = max(16, triton.next_power_of_2(M))
+    stages = num_stages or max(1, min(4, 1 + SWAP_SHARED_BYTES // ((bn + bm) * bk * elem)))
+    return Tiling(False, bn, bk, _split_parts(K, bk, split)[0], num_warps or 4, stages, swap=True)
 
 
 def _latency_bound_tiling(N: int, K: int, elem: int, head: int, sms: int, gemv: bool, bm: int) -> Tiling:

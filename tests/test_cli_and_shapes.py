@@ -104,6 +104,28 @@ def test_fused_projections_route_by_rows_and_matrix_size():
     assert not fused_projection_fits(65, embedded_up, 64, 2)
 
 
+def test_several_rows_of_a_large_narrow_matrix_default_to_the_swapped_form():
+    """3 to 16 rows (a draft's verification) of a matrix of at least SWAP_MIN_BYTES with few
+    output columns (the 1.3B shape's out and down projections) run fused in the swapped tl.dot
+    form, which beat fla's kernels + cuBLAS there; the wide in and up projections, one or two
+    rows, a prefill's 64 and a small matrix do not. Its pipeline stays inside the shared
+    memory budget in bf16 and fp32."""
+    from kernels import triton_projection as tp
+
+    big = tp.SWAP_MIN_BYTES
+    assert big is not None
+    assert tp.swaps(9, 2048, 2048 * 5632 * 2) and tp.swaps(16, 2048, 2048 * 2048 * 2)
+    assert not tp.swaps(9, 8208, 8208 * 2048 * 2) and not tp.swaps(2, 2048, big)
+    assert not tp.swaps(64, 2048, big) and not tp.swaps(9, 2048, big - 1)
+    for M, N, K, head in ((9, 2048, 2048, 256), (16, 2048, 5632, 0), (3, 1024, 4096, 0)):
+        for elem in (2, 4):
+            t = tp._tiling(M, N, K, elem, head, 132)
+            assert t.swap and not t.gemv and t.block_n >= 64 and t.block_k % max(head, 1) == 0, t
+            tile = (t.block_n + max(16, M)) * t.block_k * elem
+            assert (t.num_stages - 1) * tile <= tp.SWAP_SHARED_BYTES, t
+    assert not tp._tiling(9, 8208, 2048, 2, 0, 132).swap
+
+
 def test_small_matrices_default_to_few_round_trips_and_large_ones_to_bandwidth():
     """The embedded model's projections are latency-bound: their default tiling has no
     split-K for a row (the whole of K in one block up to 1024 columns), no split for a wide

@@ -103,6 +103,17 @@ def suite_acceptance(args, env, deadline: Deadline) -> dict:
     return res.data
 
 
+def _alphas(text: str) -> tuple[float, ...]:
+    """--oracle-alphas: comma-separated acceptance rates in (0, 1]."""
+    try:
+        alphas = tuple(float(a) for a in text.split(",") if a.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma list of numbers: {text!r}") from None
+    if not alphas or not all(0 < a <= 1 for a in alphas):
+        raise argparse.ArgumentTypeError(f"acceptance rates are in (0, 1]: {text!r}")
+    return alphas
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m specla bench", description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
@@ -133,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pair-rows", default="",
                    help="e2e pair: only the rows whose names match these comma-separated patterns, in "
                         "this order (e.g. 'block/preset-*,ngram/chain-*'; default every row)")
+    p.add_argument("--oracle-alphas", type=_alphas, default=(),
+                   help="e2e on CUDA: the 1.3B oracle sweep's acceptance rates, comma-separated "
+                        "(default 0.5-0.9, or 0.7,0.9 with --quick)")
     p.add_argument("--pair-only", action="store_true",
                    help="e2e on CUDA: the embedded pair only, not the 1.3B oracle sweep")
     p.add_argument("--render", action="store_true", help="only rewrite report.md/html from --out")

@@ -188,6 +188,7 @@ def e2e_oracle_gpu(args, res: Results, deadline: Deadline) -> dict:
     n = args.tokens or (96 if args.quick else 256)
     repeats = args.repeats or 3
     alphas = (0.7, 0.9) if args.quick else (0.5, 0.6, 0.7, 0.8, 0.9)
+    alphas = getattr(args, "oracle_alphas", ()) or alphas
     topologies = oracle_topologies(args.quick)
     max_path = max(t.depth + 1 for _, t in topologies)
     out = res.data["oracle"] = {"config": dataclasses.asdict(config), "new_tokens": n,

@@ -283,7 +283,7 @@ class FusedOps(FlaOps):
     def _fits(self, x, w) -> bool:
         rows = x.numel() // x.shape[-1]
         fits = fused_projection_fits(rows, w.numel(), self._projection.MAX_ROWS, self._projection.MAX_GEMV_ROWS)
-        swapped = rows <= self._projection.MAX_ROWS and self._projection.swaps(rows, w.numel() * w.element_size())
+        swapped = self._projection.swaps(rows, w.shape[0], w.numel() * w.element_size())
         return x.is_cuda and (fits or swapped)
 
     def norm_linear(self, x, weight, eps, residual, w):
