@@ -428,9 +428,9 @@ def check_ops(ops: TorchOps, config: GDNConfig, device, dtype, seed: int = 0) ->
 # "auto" fuses the projections for targets up to this width. The embedded model (384 wide) is
 # launch-bound: fused, its AR step went from 69 launches and 0.168 ms/token to 45 and 0.113
 # (H200, one run, benchmarks/results/h200/session10/). At the GDN-1.3B width the fused AR step
-# is 1.19x fla's in wall time (1.219 against 1.456 ms/token, session13/), but a speculative step
-# there has not been timed with it (its verify's kernel time was 1.5% higher): fla's kernels
-# stay until one has.
+# is 1.19x fla's in wall time (1.219 against 1.456 ms/token, session13/; on the H100 1.442
+# against 1.700, h100/session23/), but a speculative step there has not been timed with it end
+# to end: fla's kernels stay until one has.
 FUSED_AUTO_MAX_HIDDEN = 1024
 
 
