@@ -9,6 +9,7 @@
 # draft-step (the same for the persistent block draft), chain-accept (the same for acceptance in the verification's launch),
 # tree-preset (the same for trees in the verification's launch and the block drafter's measured preset),
 # ngram-chain (the n-gram chain kernel's GPU tests, the page's GPU defaults, e2e rows in PAIR_ROWS, bench_programs.py),
+# swap-1p3b (the swapped projection's remaining GPU tests, the 1.3B oracle rows with fused and fla ops),
 # app (benchmarks/app_vs_bench.py: the real app over HTTP against the bench's rows; options in APP_ARGS,
 # cases named without spaces, e.g. --cases block_chain,lilicorr_best-first_16), launch-counts (kernels per step body),
 # projection-sweep (benchmarks/bench_kernels.py --only projection), gemv (--only gemv), parallel (--only parallel,pdl), ops-compare (fla against the fused projections,
@@ -142,6 +143,17 @@ for stage in "$@"; do
       bench e2e "${T_NGRAM_E2E:-330}" --pair-only --pair-budget $((${T_NGRAM_E2E:-330} - 50)) \
         --pair-rows "${PAIR_ROWS:-block/preset-*,ngram/chain-*,block/chain}"
       timeout "${T_PROGRAMS:-150}" python3 benchmarks/bench_programs.py --out "$R" 2>&1 | tee "$R/log_programs.txt" ;;
+    swap-1p3b) # the swapped projection form (issue #16): the projection GPU tests the first H100 call did not
+      # reach (gated norm, SwiGLU), then the 1.3B oracle chain and tree at alpha 0.8 with the fused op set
+      # and with fla's in one run (whether "auto" may take the fused set at hidden 2048); ~570 s on a cold machine
+      timeout "${T_SWAP_TESTS:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+        -k "projection_matches_reference and (gated_norm or swiglu)" > "$R/gpu_tests_projection.txt" 2>&1
+      tail -2 "$R/gpu_tests_projection.txt"
+      for ops in fused fla; do
+        timeout "${T_SWAP_E2E:-210}" python3 -m specla bench --device cuda --suite e2e --quick --ops $ops \
+          --pair-budget 1 --oracle-alphas 0.8 --tokens 128 --deadline $((${T_SWAP_E2E:-210} - 15)) \
+          --out "$R/e2e_oracle_$ops" 2>&1 | tee "$R/log_e2e_oracle_$ops.txt" | grep "\[e2e\]"
+      done ;;
     speedup) # the model-free drafter beside the trained ones, on both prompt sets (needs data/corpus/*_prompts.jsonl)
       timeout "${T_SPEEDUP:-240}" python3 benchmarks/run_acceptance.py --speedup --device cuda --limit 8 \
         --max-new-tokens 128 --out "$R" --name speedup_h200 --rows ${SPEEDUP_ROWS:-ngram:chain:1:8:depth=8 \
