@@ -362,8 +362,8 @@ def _tiling(M: int, N: int, K: int, elem: int, head: int, sms: int, gemv: bool |
     more programs with less each beat fewer with more)."""
     if swap and gemv:
         raise ValueError("swap is a form of the tl.dot projection, not of the GEMV one")
-    chosen = (gemv, block_n, block_k, split_k, num_stages, num_warps, packed, swap)
-    if all(c is None for c in chosen) and swaps(M, N, N * K * elem):
+    asked = (gemv, block_n, block_k, split_k, num_stages, num_warps, packed, swap)
+    if all(a is None for a in asked) and swaps(M, N, N * K * elem):
         swap = True
     gemv = M <= MAX_GEMV_ROWS if gemv is None else gemv
     kpow = triton.next_power_of_2(K)
