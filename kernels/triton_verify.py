@@ -525,6 +525,39 @@ def _inverse_times(A, A2, A4, A8, x, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _pending_log_decay(gp, i_b, i_h, P, lo, hi, H: tl.constexpr, PB: tl.constexpr):
+    """The summed log decay of pending factors lo..hi-1 of one (batch, head)."""
+    o_p = tl.arange(0, PB)
+    total = 0.
+    for p0 in range(lo, hi, PB):
+        m = p0 + o_p < hi
+        total += tl.sum(tl.load(gp + (i_b * P + p0 + o_p) * H + i_h, mask=m, other=0.).to(tl.float32), 0)
+    return total
+
+
+@triton.jit
+def _pending_block(dp, gp, i_b, i_h, P, p0, G_T, o_v, H: tl.constexpr, V: tl.constexpr, PB: tl.constexpr):
+    """Pending factors p0..p0+PB-1 of one (batch, head) in the closed form of their fold,
+    S = e^G_T S0 + sum_t e^(G_T - G_t) k_t d_t^T: the factors' rows in [B, P, H, *], their key
+    scales e^(G_T - G_t) [PB] (0 past P) and their deltas [PB, BV]."""
+    o_p = tl.arange(0, PB)
+    m = p0 + o_p < P
+    row = (i_b * P + p0 + o_p) * H + i_h
+    G = _pending_log_decay(gp, i_b, i_h, P, 0, p0, H, PB) + \
+        tl.cumsum(tl.load(gp + row, mask=m, other=0.).to(tl.float32), 0)
+    scale = tl.where(m, tl.exp(G_T - G), 0.)
+    d = tl.load(dp + row[:, None] * V + o_v[None, :], mask=m[:, None], other=0.).to(tl.float32)
+    return row, scale, d
+
+
+@triton.jit
+def _pending_keys(kp, row, scale, o_k, K: tl.constexpr):
+    """Scaled pending keys e^(G_T - G_t) k_t [PB, BK] for the key columns o_k."""
+    return tl.load(kp + row[:, None] * K + o_k[None, :], mask=(scale > 0)[:, None], other=0.).to(tl.float32) \
+        * scale[:, None]
+
+
+@triton.jit
 def _parallel_tile(
     q, k, v, g, beta, parents, S, o, delta,
     stride_sb, stride_sh, stride_sk, stride_sv,
@@ -536,8 +569,8 @@ def _parallel_tile(
     """The whole parallel form of one (batch, head, V tile): `_parallel_kernel`'s program
     (i_v, i_bh), or a unit of a persistent kernel's phase.
 
-    One pass over K builds K K^T, Q K^T, K S0 and Q S0 (after folding `pending` into the
-    program's S0 tile and writing it back). A is strictly lower triangular, so nilpotent
+    One pass over K builds K K^T, Q K^T, K S and Q S, where S is S0 with `pending` folded
+    in (written back block by block). A is strictly lower triangular, so nilpotent
     (A^16 = 0), and (I + A)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8): the solve is a few
     dependent products instead of N dependent row steps. Its terms can be much larger than
     the result (entries of A^n up to binomial(N, n) when every key is the same and beta ~ 1:
@@ -546,20 +579,25 @@ def _parallel_tile(
     """
     i_b, i_h, i_bh, o_n, m_n, rows, o_v = _node_tile(N, H, BN, BV, i_v, i_bh)
     anc, G, decay = _tree_paths(g, parents, o_n, m_n, i_b, i_h, N, H, CHAIN)
+    PB: tl.constexpr = 16                                   # pending factors a block
 
     kk = tl.zeros([BN, BN], dtype=tl.float32)
     qk = tl.zeros([BN, BN], dtype=tl.float32)
     ks = tl.zeros([BN, BV], dtype=tl.float32)               # K S0
     qs = tl.zeros([BN, BV], dtype=tl.float32)               # Q S0
     p_S = S + i_b * stride_sb + i_h * stride_sh + o_v[None, :] * stride_sv
+    # The deferred commit S = e^G_T S0 + Kp'^T Dp (`_pending_block`) never waits on its own
+    # store: K S = e^G_T K S0 + (K Kp'^T) Dp, with K Kp'^T summed in this pass beside K K^T,
+    # and each K block of the folded tile written as the pass reads it. Folding the whole
+    # tile first, then reading it back, cost 8 us of a 18 us call (H200, GDN-1.3B shape,
+    # 9 nodes, 8 pending: benchmarks/results/h200/session12/).
+    eGT = 1.0
     if HAS_PENDING:
-        # the deferred commit on the whole [K, BV] tile first, as the walk does: folded block
-        # by block inside the K pass it cost 2 us a block (H200, GDN-1.3B shape)
-        ks_all = tl.arange(0, K)
-        h = _fold_pending(tl.load(p_S + ks_all[:, None] * stride_sk), kp, dp, gp, i_b, i_h, P,
-                          ks_all, o_v, H, K, V)
-        tl.store(p_S + ks_all[:, None] * stride_sk, h)
-        tl.debug_barrier()        # the pass below reads the tile through other threads
+        G_T = _pending_log_decay(gp, i_b, i_h, P, 0, P, H, PB)
+        eGT = tl.exp(G_T)
+        row0, scale0, d0 = _pending_block(dp, gp, i_b, i_h, P, 0, G_T, o_v, H, V, PB)
+        ck = tl.zeros([BN, PB], dtype=tl.float32)           # K Kp'^T, the first PB factors
+        cq = tl.zeros([BN, PB], dtype=tl.float32)
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         b_S = tl.load(p_S + o_k[:, None] * stride_sk)
@@ -569,6 +607,31 @@ def _parallel_tile(
         qk += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
         ks += tl.dot(b_k, b_S, input_precision=DOT_PRECISION)
         qs += tl.dot(b_q, b_S, input_precision=DOT_PRECISION)
+        if HAS_PENDING:
+            b_kp = _pending_keys(kp, row0, scale0, o_k, K)
+            ck += tl.dot(b_k, tl.trans(b_kp), input_precision=DOT_PRECISION)
+            cq += tl.dot(b_q, tl.trans(b_kp), input_precision=DOT_PRECISION)
+            h = b_S * eGT + tl.dot(tl.trans(b_kp), d0, input_precision="ieee")
+            for p0 in range(PB, P, PB):         # past PB pending factors (rare): their share
+                row, scale, d = _pending_block(dp, gp, i_b, i_h, P, p0, G_T, o_v, H, V, PB)
+                h += tl.dot(tl.trans(_pending_keys(kp, row, scale, o_k, K)), d, input_precision="ieee")
+            tl.store(p_S + o_k[:, None] * stride_sk, h)
+    if HAS_PENDING:
+        ks = eGT * ks + tl.dot(ck, d0, input_precision=DOT_PRECISION)
+        qs = eGT * qs + tl.dot(cq, d0, input_precision=DOT_PRECISION)
+        for p0 in range(PB, P, PB):             # past PB pending factors: a pass over K each
+            row, scale, d = _pending_block(dp, gp, i_b, i_h, P, p0, G_T, o_v, H, V, PB)
+            ck = tl.zeros([BN, PB], dtype=tl.float32)
+            cq = tl.zeros([BN, PB], dtype=tl.float32)
+            for i_k in range(K // BK):
+                o_k = i_k * BK + tl.arange(0, BK)
+                b_kp = _pending_keys(kp, row, scale, o_k, K)
+                b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+                b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+                ck += tl.dot(b_k, tl.trans(b_kp), input_precision=DOT_PRECISION)
+                cq += tl.dot(b_q, tl.trans(b_kp), input_precision=DOT_PRECISION)
+            ks += tl.dot(ck, d, input_precision=DOT_PRECISION)
+            qs += tl.dot(cq, d, input_precision=DOT_PRECISION)
 
     b_beta = tl.load(beta + rows, mask=m_n, other=0.).to(tl.float32)
     strict = anc & (o_n[:, None] != o_n[None, :])
