@@ -173,8 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ops", default="auto",
                    help="the target's per-layer ops, one set or several to compare: auto | fla | fused | torch; "
                         "a +nopdl suffix (fused+nopdl) launches the GEMV projections without programmatic "
-                        "dependent launch (kernels/pdl.py); +nostep runs a small-headed AR token's conv and "
-                        "recurrence as two launches (fla's), not one (kernels/triton_conv_gates.py); +nowhole runs "
+                        "dependent launch (kernels/pdl.py); +nostep runs an AR token's conv and recurrence as "
+                        "two launches (fla's), not one (kernels/triton_conv_gates.py), +notiled only for heads "
+                        "too large for one program; +nowhole runs "
                         "a narrow target's AR token as per-op launches, not one persistent launch "
                         "(kernels/triton_decode_step.py), +whole runs it at any width, and +pN with N programs; "
                         "+noverify verifies chains with per-op launches, not one persistent launch "
@@ -208,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         ops, *flags = name.split("+")
         pdl.use_pdl("nopdl" not in flags)
         graph_ops.FUSED_STEP_MAX_STATE = 0 if "nostep" in flags else step_max_state
+        graph_ops.TILED_STEP = not {"nostep", "notiled"} & set(flags)
         whole_step.WHOLE_STEP_MAX_HIDDEN = (0 if "nowhole" in flags else 1 << 30 if "whole" in flags
                                             else whole_max_hidden)
         whole_step.WHOLE_STEP_PROGRAMS = next((int(f[1:]) for f in flags if f[:1] == "p" and f[1:].isdigit()), None)
@@ -225,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             pdl.use_pdl(True)
             graph_ops.FUSED_STEP_MAX_STATE = step_max_state
+            graph_ops.TILED_STEP = True
             whole_step.WHOLE_STEP_MAX_HIDDEN, whole_step.WHOLE_STEP_PROGRAMS = whole_max_hidden, None
             whole_step.WHOLE_VERIFY = draft_step.PERSISTENT_DRAFT = whole_step.FUSED_ACCEPT = True
             projection.SWAP_MIN_BYTES = swap_min_bytes

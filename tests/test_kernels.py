@@ -752,8 +752,10 @@ def interpreter_cases(group: str):
         from tests.test_conv_recurrent_step import check_conv_recurrent_step
         for H, K, V, W, bias, neg, bv in ((2, 16, 32, 4, False, False, 16), (3, 16, 16, 3, True, True, None)):
             for dtype in (torch.float32, torch.bfloat16):
-                yield (f"conv_recurrent_step-H{H}-K{K}-V{V}-W{W}-BV{bv}-{dtype}", lambda a=(H, K, V, W, dtype, bias, neg): (
-                    check_conv_recurrent_step(*a, dev, seed=a[0], block_v=bv)))
+                for tiled in (False, True):
+                    yield (f"conv_recurrent_step-H{H}-K{K}-V{V}-W{W}-BV{bv}-{dtype}-tiled={tiled}",
+                           lambda a=(H, K, V, W, dtype, bias, neg), bv=bv, tiled=tiled: check_conv_recurrent_step(
+                               *a, dev, seed=a[0], block_v=bv, tiled=tiled))
         return
     if group == "lilicorr":
         for N, S, V, k in ((1, 7, 4096, 8), (2, 3, 50, 4), (1, 15, 300, 1)):

@@ -162,11 +162,12 @@ class TorchOps:
                                    v.unflatten(-1, (H, config.head_v_dim)), a, b, S, layer, config)
 
 
-# Heads up to this many state values (K x V) take the one-launch AR step: one program a head
-# then holds its state in a few register tiles. The GDN-1.3B shape's 256 x 256 heads keep
-# fla's kernels, whose grid spreads a head's V columns over many programs (the conv window's
-# shift is why the fused step cannot: every V tile of a head reads it).
+# Heads up to this many state values (K x V) take the one-launch AR step with one program a
+# head, which holds its state in a few register tiles. Larger heads (the GDN-1.3B shape's
+# 256 x 256) take it with one program a V tile where TILED_STEP is on, else fla's conv and
+# recurrence kernels.
 FUSED_STEP_MAX_STATE = 128 * 128
+TILED_STEP = True
 
 
 class FlaOps(TorchOps):
@@ -228,14 +229,16 @@ class FlaOps(TorchOps):
         return y
 
     def conv_recurrent_step(self, x, cache, a, b, S, layer: PackedLayer, config: GDNConfig, index1):
-        """Small heads (a launch-bound step): the conv, the gates and the recurrence in one
-        launch (`kernels.triton_conv_gates.conv_recurrent_step`), against fla's two."""
-        if config.head_dim * config.head_v_dim > FUSED_STEP_MAX_STATE:
+        """The conv, the gates and the recurrence in one launch
+        (`kernels.triton_conv_gates.conv_recurrent_step`), against fla's two: one program a
+        head, or for large heads one a V tile (`TILED_STEP`)."""
+        tiled = config.head_dim * config.head_v_dim > FUSED_STEP_MAX_STATE
+        if tiled and not TILED_STEP:
             return super().conv_recurrent_step(x, cache, a, b, S, layer, config, index1)
         from kernels.triton_conv_gates import conv_recurrent_step
 
         return conv_recurrent_step(x, cache, layer.conv_w, layer.conv_b, a, b, layer.neg_A, layer.dt_bias,
-                                   S, config.head_dim, config.head_v_dim, config.allow_neg_eigval)
+                                   S, config.head_dim, config.head_v_dim, config.allow_neg_eigval, tiled=tiled)
 
     def recurrent_step(self, q, k, v, a, b, S, layer: PackedLayer, config: GDNConfig):
         scale = config.head_dim ** -0.5
