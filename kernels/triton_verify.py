@@ -528,7 +528,7 @@ def _inverse_times(A, A2, A4, A8, x, DOT_PRECISION: tl.constexpr):
 def _pending_log_decay(gp, i_b, i_h, P, lo, hi, H: tl.constexpr, PB: tl.constexpr):
     """The summed log decay of pending factors lo..hi-1 of one (batch, head)."""
     o_p = tl.arange(0, PB)
-    total = 0.
+    total = tl.sum(tl.zeros([PB], dtype=tl.float32), 0)       # a tensor, as the loop carries it
     for p0 in range(lo, hi, PB):
         m = p0 + o_p < hi
         total += tl.sum(tl.load(gp + (i_b * P + p0 + o_p) * H + i_h, mask=m, other=0.).to(tl.float32), 0)
@@ -565,12 +565,14 @@ def _parallel_tile(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CHAIN: tl.constexpr, HAS_PENDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FOLD_FIRST: tl.constexpr = False,
 ):
     """The whole parallel form of one (batch, head, V tile): `_parallel_kernel`'s program
     (i_v, i_bh), or a unit of a persistent kernel's phase.
 
     One pass over K builds K K^T, Q K^T, K S and Q S, where S is S0 with `pending` folded
-    in (written back block by block). A is strictly lower triangular, so nilpotent
+    in: in closed form inside the pass, each K block of the folded tile written as it is
+    read, or (FOLD_FIRST) on the whole tile before the pass, which reads it back. A is strictly lower triangular, so nilpotent
     (A^16 = 0), and (I + A)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8): the solve is a few
     dependent products instead of N dependent row steps. Its terms can be much larger than
     the result (entries of A^n up to binomial(N, n) when every key is the same and beta ~ 1:
@@ -586,13 +588,20 @@ def _parallel_tile(
     ks = tl.zeros([BN, BV], dtype=tl.float32)               # K S0
     qs = tl.zeros([BN, BV], dtype=tl.float32)               # Q S0
     p_S = S + i_b * stride_sb + i_h * stride_sh + o_v[None, :] * stride_sv
-    # The deferred commit S = e^G_T S0 + Kp'^T Dp (`_pending_block`) never waits on its own
-    # store: K S = e^G_T K S0 + (K Kp'^T) Dp, with K Kp'^T summed in this pass beside K K^T,
-    # and each K block of the folded tile written as the pass reads it. Folding the whole
-    # tile first, then reading it back, cost 8 us of a 18 us call (H200, GDN-1.3B shape,
-    # 9 nodes, 8 pending: benchmarks/results/h200/session12/).
+    # In the pass, the deferred commit S = e^G_T S0 + Kp'^T Dp (`_pending_block`) never waits
+    # on its own store: K S = e^G_T K S0 + (K Kp'^T) Dp, with K Kp'^T summed beside K K^T.
+    # Folding the whole tile first, then reading it back, cost 8 us of a 18 us call (H200,
+    # GDN-1.3B shape, 9 nodes, 8 pending: benchmarks/results/h200/session12/); in the pass it
+    # holds two more [BN, PB] accumulators (sm_90: 221 registers a thread against 168).
+    IN_PASS: tl.constexpr = HAS_PENDING and not FOLD_FIRST
+    if HAS_PENDING and FOLD_FIRST:
+        ks_all = tl.arange(0, K)
+        h = _fold_pending(tl.load(p_S + ks_all[:, None] * stride_sk), kp, dp, gp, i_b, i_h, P,
+                          ks_all, o_v, H, K, V)
+        tl.store(p_S + ks_all[:, None] * stride_sk, h)
+        tl.debug_barrier()        # the pass below reads the tile through other threads
     eGT = 1.0
-    if HAS_PENDING:
+    if IN_PASS:
         G_T = _pending_log_decay(gp, i_b, i_h, P, 0, P, H, PB)
         eGT = tl.exp(G_T)
         row0, scale0, d0 = _pending_block(dp, gp, i_b, i_h, P, 0, G_T, o_v, H, V, PB)
@@ -607,7 +616,7 @@ def _parallel_tile(
         qk += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
         ks += tl.dot(b_k, b_S, input_precision=DOT_PRECISION)
         qs += tl.dot(b_q, b_S, input_precision=DOT_PRECISION)
-        if HAS_PENDING:
+        if IN_PASS:
             b_kp = _pending_keys(kp, row0, scale0, o_k, K)
             ck += tl.dot(b_k, tl.trans(b_kp), input_precision=DOT_PRECISION)
             cq += tl.dot(b_q, tl.trans(b_kp), input_precision=DOT_PRECISION)
@@ -616,7 +625,7 @@ def _parallel_tile(
                 row, scale, d = _pending_block(dp, gp, i_b, i_h, P, p0, G_T, o_v, H, V, PB)
                 h += tl.dot(tl.trans(_pending_keys(kp, row, scale, o_k, K)), d, input_precision="ieee")
             tl.store(p_S + o_k[:, None] * stride_sk, h)
-    if HAS_PENDING:
+    if IN_PASS:
         ks = eGT * ks + tl.dot(ck, d0, input_precision=DOT_PRECISION)
         qs = eGT * qs + tl.dot(cq, d0, input_precision=DOT_PRECISION)
         for p0 in range(PB, P, PB):             # past PB pending factors: a pass over K each
@@ -662,12 +671,12 @@ def _parallel_kernel(
     kp, dp, gp, P, N,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    CHAIN: tl.constexpr, HAS_PENDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CHAIN: tl.constexpr, HAS_PENDING: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLD_FIRST: tl.constexpr,
 ):
     """The whole parallel form of one (batch, head, V tile) a program (`_parallel_tile`)."""
     _parallel_tile(q, k, v, g, beta, parents, S, o, delta, stride_sb, stride_sh, stride_sk, stride_sv,
                    kp, dp, gp, P, N, tl.program_id(0), tl.program_id(1), H, K, V, BN, BK, BV,
-                   CHAIN, HAS_PENDING, DOT_PRECISION)
+                   CHAIN, HAS_PENDING, DOT_PRECISION, FOLD_FIRST)
 
 
 def _parallel_config(N: int, K: int, V: int, block_v: int | None = None, block_k: int | None = None,
@@ -679,7 +688,7 @@ def _parallel_config(N: int, K: int, V: int, block_v: int | None = None, block_k
 
 
 def _parallel_verify(q, k, v, g, beta, S0, parents, chain_nodes, pending, o, delta,
-                     block_v=None, block_k=None, num_warps=None, dot_precision=None):
+                     block_v=None, block_k=None, num_warps=None, dot_precision=None, fold_first=False):
     B, N, H, K = q.shape
     V = v.shape[-1]
     cfg = _parallel_config(N, K, V, block_v, block_k, num_warps)
@@ -689,7 +698,7 @@ def _parallel_verify(q, k, v, g, beta, S0, parents, chain_nodes, pending, o, del
         kp, dp, gp, P, N,
         H=H, K=K, V=V, BN=cfg["BN"], BK=cfg["BK"], BV=cfg["BV"],
         CHAIN=chain_nodes, HAS_PENDING=has_pending, DOT_PRECISION=dot_precision or DOT_PRECISION,
-        num_warps=cfg["num_warps"])
+        FOLD_FIRST=fold_first, num_warps=cfg["num_warps"])
 
 
 def _tree_config(N: int, K: int, V: int, block_v: int | None = None) -> dict:
@@ -785,7 +794,7 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
            out: tuple[torch.Tensor, torch.Tensor] | None = None,
            block_v: int | None = None, num_warps: int | None = None, v_first: bool | None = None,
            form: str | None = None, block_k: int | None = None, dot_precision: str | None = None,
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+           fold_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Outputs and deltas [B,N,H,V] fp32 of every node of `topo` for one layer.
 
     mode: "chain" (nodes 0..N-1 form a chain; `topo` is not read), "tree" (reads
@@ -800,7 +809,7 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     (N <= 16) or its two-launch "gram_solve".
     For benchmarking, block_v overrides the V tile (every form), num_warps the warps,
     v_first the walk's tile orientation, block_k and dot_precision the parallel form's K
-    block and tl.dot precision.
+    block and tl.dot precision, fold_first its way of folding `pending` (`_parallel_tile`).
     """
     if mode not in MODES:
         raise ValueError(f"unknown verification mode {mode!r}; the kernels do {', '.join(MODES)}")
@@ -828,7 +837,8 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         form = "parallel" if CHAIN_PARALLEL_MIN_NODES <= N <= PARALLEL_MAX_NODES else "walk"
     if form == "parallel" and N > PARALLEL_MAX_NODES:
         raise ValueError(f"the one-launch parallel form takes up to {PARALLEL_MAX_NODES} nodes, not {N}")
-    parallel_options = dict(block_k=block_k, num_warps=num_warps, dot_precision=dot_precision)
+    parallel_options = dict(block_k=block_k, num_warps=num_warps, dot_precision=dot_precision,
+                            fold_first=fold_first)
     if mode == "chain" and form == "walk":
         _chain_verify(q, k, v, g, beta, S0, pending, o, delta, block_v, num_warps, v_first)
     elif mode == "chain":

@@ -805,10 +805,12 @@ def interpreter_cases(group: str):
         for n in (9, 16):
             yield (f"{group}-parallel-N{n}-repeated-keys",
                    lambda n=n: check_repeated_keys(group, n, 2, 16, 16, dev, seed=n))
-    # every form; the walk's two tile orientations; P=20 folds a pending commit in two blocks
+    # every form; the walk's two tile orientations, the parallel form's two ways of folding a
+    # pending commit; P=20 folds a pending commit in two blocks
     variants = [{"form": "walk", "v_first": False}, {"form": "walk", "v_first": True}]
     for name, parents in topologies:
         options = [{"form": f} for f in forms(group, len(parents)) if f != "walk"]
+        options += [{"form": "parallel", "fold_first": True}] if "parallel" in forms(group, len(parents)) else []
         options += variants if "walk" in forms(group, len(parents)) else []
         for P in (0, 3, 20):
             for K, V in ((16, 16), (16, 32)):
