@@ -448,9 +448,10 @@ class Bench:
                                 model=model, mode=mode, form=form, topology=topo_name, N=n, P=P)
                         if (n, topo_name, P) not in ((9, "chain", pending), (16, "random", pending)):
                             continue
-                        # around the default (K block 32, 4 warps, 16 V columns, the pending
-                        # commit folded inside the K pass)
-                        configs = [dict(fold_first=True), dict(block_k=64), dict(num_warps=2), dict(num_warps=8),
+                        # around the default (K block 32, 4 warps, 16 V columns), and the two
+                        # ways of folding the pending commit
+                        configs = [dict(fold_first=True), dict(fold_first=False), dict(block_k=64),
+                                   dict(num_warps=2), dict(num_warps=8),
                                    dict(block_k=key, num_warps=8), dict(block_v=32)]
                         for cfg in configs:
                             self.run("parallel_sweep", lambda l, mode=mode, topo=topo, cfg=cfg, P=P: tv.verify(

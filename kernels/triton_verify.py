@@ -55,6 +55,10 @@ DOT_PRECISION = "ieee"
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The walk kernels' tile orientation: [BV, K] (sums over K within a warp) or [K, BV]
 WALK_V_FIRST = False
+# The parallel form folds a pending commit into the whole state tile before its K pass, not in
+# closed form inside it (`_parallel_tile`), until a GPU has timed both (bench_kernels.py
+# --only parallel: the fold_first configs)
+PARALLEL_FOLD_FIRST = True
 
 
 # ---------------------------------------------------------------------------------------
@@ -688,7 +692,7 @@ def _parallel_config(N: int, K: int, V: int, block_v: int | None = None, block_k
 
 
 def _parallel_verify(q, k, v, g, beta, S0, parents, chain_nodes, pending, o, delta,
-                     block_v=None, block_k=None, num_warps=None, dot_precision=None, fold_first=False):
+                     block_v=None, block_k=None, num_warps=None, dot_precision=None, fold_first=None):
     B, N, H, K = q.shape
     V = v.shape[-1]
     cfg = _parallel_config(N, K, V, block_v, block_k, num_warps)
@@ -698,7 +702,7 @@ def _parallel_verify(q, k, v, g, beta, S0, parents, chain_nodes, pending, o, del
         kp, dp, gp, P, N,
         H=H, K=K, V=V, BN=cfg["BN"], BK=cfg["BK"], BV=cfg["BV"],
         CHAIN=chain_nodes, HAS_PENDING=has_pending, DOT_PRECISION=dot_precision or DOT_PRECISION,
-        FOLD_FIRST=fold_first, num_warps=cfg["num_warps"])
+        FOLD_FIRST=PARALLEL_FOLD_FIRST if fold_first is None else fold_first, num_warps=cfg["num_warps"])
 
 
 def _tree_config(N: int, K: int, V: int, block_v: int | None = None) -> dict:
@@ -794,7 +798,7 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
            out: tuple[torch.Tensor, torch.Tensor] | None = None,
            block_v: int | None = None, num_warps: int | None = None, v_first: bool | None = None,
            form: str | None = None, block_k: int | None = None, dot_precision: str | None = None,
-           fold_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+           fold_first: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Outputs and deltas [B,N,H,V] fp32 of every node of `topo` for one layer.
 
     mode: "chain" (nodes 0..N-1 form a chain; `topo` is not read), "tree" (reads

@@ -490,6 +490,19 @@ def test_pending_counts(mode, P):
 
 
 @needs_cuda
+@pytest.mark.parametrize("P", [1, 8, 16, 20], ids=lambda p: f"P{p}")
+@pytest.mark.parametrize("fold_first", [True, False], ids=lambda f: f"fold_first={f}")
+@pytest.mark.parametrize("mode,n", [("chain", 9), ("tree", 16)])
+def test_parallel_form_folds_pending_either_way(mode, n, fold_first, P):
+    """The whole state tile folded before the K pass, or in closed form inside it, at the
+    GDN-1.3B head shape; 20 pending factors take two blocks."""
+    parents = chain(n) if mode == "chain" else random_tree(n, seed=P)
+    problems = check_verify(mode, parents, 1, 8, 256, 256, P, "cuda", seed=200 + P, form="parallel",
+                            fold_first=fold_first)
+    assert not problems, problems
+
+
+@needs_cuda
 @pytest.mark.parametrize("block_v", [16, 32, 64])
 @pytest.mark.parametrize("mode", ["chain", "tree", "hybrid"])
 def test_block_v_override(mode, block_v):
@@ -810,7 +823,7 @@ def interpreter_cases(group: str):
     variants = [{"form": "walk", "v_first": False}, {"form": "walk", "v_first": True}]
     for name, parents in topologies:
         options = [{"form": f} for f in forms(group, len(parents)) if f != "walk"]
-        options += [{"form": "parallel", "fold_first": True}] if "parallel" in forms(group, len(parents)) else []
+        options += [{"form": "parallel", "fold_first": False}] if "parallel" in forms(group, len(parents)) else []
         options += variants if "walk" in forms(group, len(parents)) else []
         for P in (0, 3, 20):
             for K, V in ((16, 16), (16, 32)):

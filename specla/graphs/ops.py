@@ -165,9 +165,9 @@ class TorchOps:
 # Heads up to this many state values (K x V) take the one-launch AR step with one program a
 # head, which holds its state in a few register tiles. Larger heads (the GDN-1.3B shape's
 # 256 x 256) take it with one program a V tile where TILED_STEP is on, else fla's conv and
-# recurrence kernels.
+# recurrence kernels. Off until a GPU has timed it against them (launch_counts.py +tiled).
 FUSED_STEP_MAX_STATE = 128 * 128
-TILED_STEP = True
+TILED_STEP = False
 
 
 class FlaOps(TorchOps):
