@@ -1,10 +1,12 @@
 """Instructions, registers and spills of the fused LiLiCorr head's launches for an H100 /
 H200 (sm_90), on a machine without a GPU:
 
-    python benchmarks/ptxas_check.py [--top-k 4 8] [--shape embedded gdn-1.3b]
+    python benchmarks/ptxas_check.py [--top-k 4 8] [--shape embedded gdn-1.3b] [--kernels head verify]
 
 Each launch of `FusedLiLiCorrHead.draft` is recorded instead of run and compiled by Triton
-for sm_90. The ptxas that ships with Triton assembles its PTX and reports the registers a
+for sm_90 (`--kernels verify`: the verification's state kernels instead, the parallel form
+and the persistent verify step with each way of folding a pending commit, and the AR
+token's tiled conv + recurrence). The ptxas that ships with Triton assembles its PTX and reports the registers a
 thread uses and the bytes it spills; Triton's cuobjdump lists the machine code. The head
 program's H200 times have tracked these counts (benchmarks/results/h200/README.md, sessions
 5 and 6), so a change can be checked here before it costs device time.
@@ -50,18 +52,18 @@ class _Recorder:
         return record
 
 
-def recorded_launches(call, names: list[str]) -> list:
-    """Run `call()` with the module-level kernels `names` of triton_lilicorr recording their
+def recorded_launches(call, names: list[str], module=fused_head) -> list:
+    """Run `call()` with the module-level kernels `names` of `module` recording their
     launches -> [(kernel, args, kwargs)]."""
     calls: list = []
-    originals = {name: getattr(fused_head, name) for name in names}
+    originals = {name: getattr(module, name) for name in names}
     try:
         for name, kernel in originals.items():
-            setattr(fused_head, name, _Recorder(kernel, calls))
+            setattr(module, name, _Recorder(kernel, calls))
         call()
     finally:
         for name, kernel in originals.items():
-            setattr(fused_head, name, kernel)
+            setattr(module, name, kernel)
     return calls
 
 
@@ -129,6 +131,48 @@ def head_launches(fields: dict, top_k: int, slots: int = SLOTS, vocab: int = 320
                              ["_head_prologue_kernel", "_lilicorr_head_kernel"])
 
 
+def verify_launches(pending: int = 8) -> list[tuple[str, tuple]]:
+    """(case, launch) for the state kernels of a verification and an AR token, at the
+    GDN-1.3B head shape (8 x 256 x 256) and the embedded model's (6 x 64 x 64)."""
+    from kernels import triton_conv_gates, triton_verify, triton_verify_step
+    from benchmarks.bench_verify_step import accept_buffers
+    from tests.test_decode_step import SHAPES as STEP_SHAPES, random_weights
+
+    z, out = torch.zeros, []
+    for H, K, N in ((8, 256, 9), (6, 64, 16)):
+        for fold_first in (True, False):
+            x = [z(1, N, H, K) for _ in range(3)] + [z(1, N, H), z(1, N, H), z(1, H, K, K)]
+            pend = (z(1, pending, H, K), z(1, pending, H, K), z(1, pending, H))
+            launch = recorded_launches(lambda: triton_verify._parallel_verify(
+                *x, torch.arange(-1, N - 1), True, pend, z(1, N, H, K), z(1, N, H, K), fold_first=fold_first),
+                ["_parallel_kernel"], triton_verify)[0]
+            out.append((f"K={K} N={N} P={pending} fold_first={fold_first}", launch))
+    L, D, H, K, V, W, I, vocab = STEP_SHAPES["embedded"]
+    wt = random_weights(L, D, H, K, V, W, I, vocab, torch.bfloat16, "cpu", False, 0)
+    n, C = 16, H * (2 * K + V)
+    factors = (z(L, 1, n, H, K), z(L, 1, n, H), z(L, 1, n, H, V), z(L, 1, n, C, dtype=torch.bfloat16))
+    pend = (z(L, 1, pending, H, K), z(L, 1, pending, H, V), z(L, 1, pending, H))
+    for fold_first in (1, 0):
+        verify = triton_verify_step.PersistentChainVerify(wt, H, K, V, 1e-6, n, (1, 3, L - 1), programs=132,
+                                                          blocks={"FOLD_FIRST": fold_first})
+        args = (torch.randint(2, vocab, (1, n)), torch.ones(1, dtype=torch.long), z(L, 1, C, W, dtype=torch.bfloat16),
+                z(L, 1, H, K, V), pend, z(n, vocab), z(n, D, dtype=torch.bfloat16),
+                z(n, 3, D, dtype=torch.bfloat16), factors)
+        launch = recorded_launches(lambda: verify(*args, accept=accept_buffers(n, pending, "cpu")),
+                                   ["_chain_verify_kernel"], triton_verify_step)[0]
+        out.append((f"embedded N={n} P={pending} accept FOLD_FIRST={fold_first}", launch))
+    H, K = 8, 256
+    C = 3 * H * K
+    row = z(1, 1, C + 2 * H, dtype=torch.bfloat16)
+    launch = recorded_launches(lambda: triton_conv_gates.conv_recurrent_step(
+        row[..., :C], z(1, C, 4, dtype=torch.bfloat16), z(C, 4, dtype=torch.bfloat16), z(C, dtype=torch.bfloat16),
+        row[..., C:C + H], row[..., C + H:], z(H), z(H), z(1, H, K, K), K, K, tiled=True),
+        ["_conv_recurrent_tile_kernel"], triton_conv_gates)[0]
+    kernel, call_args, kwargs = launch
+    out.append(("K=V=256 tiled, PDL", (kernel, call_args, dict(kwargs, PDL=True))))
+    return out
+
+
 def launch_report(launch: tuple) -> dict:
     """One recorded launch -> its name, sm_90 instructions, registers and spill bytes."""
     kernel, call_args, kwargs = launch
@@ -142,9 +186,19 @@ def main(argv=None) -> int:
     parser.add_argument("--top-k", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--shape", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--num-warps", type=int, default=8)
+    parser.add_argument("--kernels", nargs="+", default=["head"], choices=["head", "verify"])
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: this compiles the kernels")
+    if "verify" in args.kernels:
+        print("| launch | case | instructions | registers | spill stores (bytes) | spill loads (bytes) |")
+        print("|---|---|---|---|---|---|")
+        for case, launch in verify_launches():
+            r = launch_report(launch)
+            print(f"| {r['launch']} | {case} | {r['instructions']} | {r['registers']} | {r['spill_stores']} | "
+                  f"{r['spill_loads']} |", flush=True)
+    if "head" not in args.kernels:
+        return 0
     print("| shape | top-k | launch | instructions | registers | spill stores (bytes) | spill loads (bytes) |")
     print("|---|---|---|---|---|---|---|")
     for shape in args.shape:

@@ -580,6 +580,22 @@ def test_ptxas_check_reports_the_head_launches():
         assert r["instructions"] > 100 and 0 < r["registers"] <= 255 and r["spill_stores"] >= 0
 
 
+def test_ptxas_check_compiles_the_state_kernels_without_spills():
+    """The verification's parallel form (both ways of folding a pending commit) and the AR
+    token's tiled conv + recurrence at the GDN-1.3B head shape fit sm_90's registers; the
+    persistent verify step is recorded with both folds (its compile is the slow one)."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the check compiles; the interpreter does not")
+    from benchmarks import ptxas_check
+    launches = ptxas_check.verify_launches()
+    assert sum(launch[0].__name__ == "_chain_verify_kernel" for _, launch in launches) == 2
+    for case, launch in launches:
+        if case.startswith("K=256") or "tiled" in case:
+            r = ptxas_check.launch_report(launch)
+            assert r["instructions"] > 100 and r["registers"] <= 255 and r["spill_stores"] == 0, (case, r)
+
+
 @needs_cuda
 @pytest.mark.parametrize("shape", ["embedded", "wide"])
 def test_lilicorr_draft_matches_topk_then_head(shape):
