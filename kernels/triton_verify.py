@@ -562,6 +562,12 @@ def _pending_keys(kp, row, scale, o_k, K: tl.constexpr):
 
 
 @triton.jit
+def _key_block(x, rows, m_n, o_k, K: tl.constexpr):
+    """The nodes' queries or keys [BN, BK] for the key columns o_k, fp32 (zeros past N)."""
+    return tl.load(x + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+
+
+@triton.jit
 def _parallel_tile(
     q, k, v, g, beta, parents, S, o, delta,
     stride_sb, stride_sh, stride_sk, stride_sv,
@@ -614,8 +620,8 @@ def _parallel_tile(
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         b_S = tl.load(p_S + o_k[:, None] * stride_sk)
-        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
-        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+        b_k = _key_block(k, rows, m_n, o_k, K)
+        b_q = _key_block(q, rows, m_n, o_k, K)
         kk += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
         qk += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
         ks += tl.dot(b_k, b_S, input_precision=DOT_PRECISION)
@@ -639,8 +645,8 @@ def _parallel_tile(
             for i_k in range(K // BK):
                 o_k = i_k * BK + tl.arange(0, BK)
                 b_kp = _pending_keys(kp, row, scale, o_k, K)
-                b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
-                b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+                b_k = _key_block(k, rows, m_n, o_k, K)
+                b_q = _key_block(q, rows, m_n, o_k, K)
                 ck += tl.dot(b_k, tl.trans(b_kp), input_precision=DOT_PRECISION)
                 cq += tl.dot(b_q, tl.trans(b_kp), input_precision=DOT_PRECISION)
             ks += tl.dot(ck, d, input_precision=DOT_PRECISION)
