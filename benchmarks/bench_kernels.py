@@ -323,8 +323,8 @@ def tiling_form(blocks: dict) -> str:
 
 class Bench:
     def __init__(self, args):
-        from kernels import triton_verify
-        self.tv = triton_verify
+        from kernels import triton_baselines, triton_verify
+        self.tv, self.baselines = triton_verify, triton_baselines
         self.dev = torch.device("cuda")
         self.layers = args.layers
         self.repeats, self.replays = (3, 20) if args.quick else (5, 40)
@@ -378,9 +378,9 @@ class Bench:
                 if n > 64:
                     continue
                 snaps = torch.empty(self.layers, n, B, H, K, V, device=self.dev)
-                self.run("sequential_replay", lambda l, parents=parents: tv.sequential_replay_verify(
+                self.run("sequential_replay", lambda l, parents=parents: self.baselines.sequential_replay_verify(
                     *args, self.states[l], parents, snapshots=snaps[l]), **info)
-                self.run("dense_snapshot", lambda l, topo=topo: tv.dense_snapshot_verify(
+                self.run("dense_snapshot", lambda l, topo=topo: self.baselines.dense_snapshot_verify(
                     *args, self.states[l], topo, snapshots=snaps[l]), **info)
                 del snaps
 
@@ -472,8 +472,8 @@ class Bench:
 
             def replay(l, t=t):
                 for i in range(t):   # one-token steps in place, recomputing delta (and o)
-                    tv.token_step(self.states[l], self.states[l], x["q"], x["k"], x["v"],
-                                  x["g"], x["beta"], o, d, i)
+                    self.baselines.token_step(self.states[l], self.states[l], x["q"], x["k"], x["v"],
+                                              x["g"], x["beta"], o, d, i)
             self.run("token_replay", replay, T=t)
 
     def deferred_variants(self, sizes=(8, 16), p=4) -> None:
@@ -661,9 +661,10 @@ class Bench:
     def kernel_resources(self) -> list[dict]:
         """Registers and spills of every compiled kernel variant (from Triton's cache)."""
         rows = []
-        for name in ("_walk_kernel", "_tree_gram_kernel", "_tree_solve_kernel", "_commit_kernel",
-                     "_token_step_kernel"):
-            fn = getattr(self.tv, name)
+        for module, name in ((self.tv, "_walk_kernel"), (self.tv, "_tree_gram_kernel"),
+                             (self.tv, "_tree_solve_kernel"), (self.tv, "_commit_kernel"),
+                             (self.baselines, "_token_step_kernel")):
+            fn = getattr(module, name)
             try:
                 for cache in fn.device_caches.values():
                     for kernel in cache[0].values():
