@@ -279,11 +279,7 @@ def _conv_recurrent_tile_kernel(x, cache, cache_stride, weight, bias, a, b, neg_
         tl.store(arrivals + h, 0)       # the next launch is stream-ordered after this one
 
 
-# Heads up to this many state values (K x V) take one program a head, which holds its state
-# in a few register tiles (`_conv_recurrent_step_kernel`); larger ones one program a V tile
-# of TILE_BLOCK_V columns (`_conv_recurrent_tile_kernel`).
-ONE_PROGRAM_MAX_STATE = 128 * 128
-TILE_BLOCK_V = 16
+TILE_BLOCK_V = 16        # the tiled step's V columns a program
 _ARRIVALS: dict[tuple, torch.Tensor] = {}
 
 
@@ -299,12 +295,12 @@ def _arrivals(device: torch.device, heads: int) -> torch.Tensor:
 def conv_recurrent_step(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         a: torch.Tensor, b: torch.Tensor, neg_A: torch.Tensor, dt_bias: torch.Tensor,
                         S: torch.Tensor, head_dim: int, head_v_dim: int, neg_eigval: bool = False,
-                        block_v: int | None = None, tiled: bool | None = None) -> torch.Tensor:
+                        block_v: int | None = None, tiled: bool = False) -> torch.Tensor:
     """`conv_recurrent_step_ref` in one launch, S and cache updated in place: x [1,1,C] and
     a, b [1,1,H] may be column slices of one projection row; cache [1,C,W] contiguous; S
-    [1,H,K,V] fp32 contiguous. Returns o [1,1,H,V] fp32. One program a head, or (`tiled`;
-    by default for heads of more than ONE_PROGRAM_MAX_STATE state values) one a V tile of
-    `block_v` columns, launched with programmatic dependent launch where it applies."""
+    [1,H,K,V] fp32 contiguous. Returns o [1,1,H,V] fp32. One program a head, whose state
+    must fit a few register tiles, or (`tiled`, for large heads) one a V tile of `block_v`
+    columns, launched with programmatic dependent launch where it applies."""
     C, W = cache.shape[1], cache.shape[2]
     H, K, V = a.shape[-1], head_dim, head_v_dim
     if x.shape != (1, 1, C) or C != H * (2 * K + V) or weight.shape != (C, W):
@@ -316,7 +312,7 @@ def conv_recurrent_step(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tens
         raise ValueError("conv_recurrent_step: the cache must be contiguous and x's channels contiguous")
     o = torch.empty(1, 1, H, V, device=x.device, dtype=torch.float32)
     BK = triton.next_power_of_2(K)
-    if tiled if tiled is not None else K * V > ONE_PROGRAM_MAX_STATE:
+    if tiled:
         BV = min(triton.next_power_of_2(V), block_v or TILE_BLOCK_V)
         _conv_recurrent_tile_kernel[(triton.cdiv(V, BV), H)](
             x, cache, cache.stride(1), weight.contiguous(), bias, a, b, neg_A, dt_bias, S, o,

@@ -16,7 +16,7 @@ from tests.test_kernels import RTOL, needs_cuda, rel_err
 
 def check_conv_recurrent_step(H: int, K: int, V: int, W: int, dtype, bias: bool, neg_eigval: bool,
                               device, seed: int = 0, block_v: int | None = None, steps: int = 3,
-                              tiled: bool | None = None) -> list[str]:
+                              tiled: bool = False) -> list[str]:
     """`steps` tokens in a row through the kernel and the reference, x, a and b column slices
     of one projection row as the runtime passes them; the kernel's state and cache carry over
     between tokens, so a wrong shift or a stale read shows in the later outputs (tiled: a q or
@@ -74,10 +74,6 @@ def test_tiled_conv_recurrent_step_matches_reference(H, K, V, W, bias, neg_eigva
     assert not check_conv_recurrent_step(H, K, V, W, dtype, bias, neg_eigval, "cuda", seed=H + K + 1,
                                          block_v=block_v, tiled=True, steps=5)
 
-
-def test_large_heads_default_to_the_tiled_step():
-    from kernels.triton_conv_gates import ONE_PROGRAM_MAX_STATE
-    assert 64 * 64 <= ONE_PROGRAM_MAX_STATE < 256 * 256
 
 
 def test_conv_recurrent_step_rejects_bad_shapes():
