@@ -66,14 +66,13 @@ def test_conv_recurrent_step_matches_reference(H, K, V, W, bias, neg_eigval, blo
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("H,K,V,W,bias,neg_eigval,block_v", [
-    (8, 256, 256, 4, False, False, None),    # the 1.3B shape's heads: the default there
+    (8, 256, 256, 4, False, False, None),    # the 1.3B shape's heads (ops.TILED_STEP)
     (8, 256, 256, 4, True, True, 32),
     (6, 64, 64, 4, False, False, 16)])
 def test_tiled_conv_recurrent_step_matches_reference(H, K, V, W, bias, neg_eigval, block_v, dtype):
     """Five tokens in a row: the state and the cache carry over between launches."""
     assert not check_conv_recurrent_step(H, K, V, W, dtype, bias, neg_eigval, "cuda", seed=H + K + 1,
                                          block_v=block_v, tiled=True, steps=5)
-
 
 
 def test_conv_recurrent_step_rejects_bad_shapes():
