@@ -594,6 +594,9 @@ def test_ptxas_check_compiles_the_state_kernels_without_spills():
         if case.startswith("K=256") or "tiled" in case:
             r = ptxas_check.launch_report(launch)
             assert r["instructions"] > 100 and r["registers"] <= 255 and r["spill_stores"] == 0, (case, r)
+    # launched with PDL, the tiled step signals its dependents and waits for the kernel before it
+    kernel, args, kwargs = next(launch for case, launch in launches if "tiled" in case)
+    assert ptxas_check.compile_sm90(kernel, args, kwargs).asm["ptx"].count("griddepcontrol") == 2
 
 
 @needs_cuda
