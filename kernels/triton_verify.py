@@ -583,11 +583,12 @@ def _parallel_tile(
     One pass over K builds K K^T, Q K^T, K S and Q S, where S is S0 with `pending` folded
     in: in closed form inside the pass, each K block of the folded tile written as it is
     read, or (FOLD_FIRST) on the whole tile before the pass, which reads it back. A is
-    strictly lower triangular, so nilpotent (A^16 = 0), and (I + A)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8): the solve is a few
-    dependent products instead of N dependent row steps. Its terms can be much larger than
-    the result (entries of A^n up to binomial(N, n) when every key is the same and beta ~ 1:
-    relative error 1e-4 at N = 16 in that worst case), so one step of refinement follows
-    where some |A_ij| > 1/2.
+    strictly lower triangular, so nilpotent (A^16 = 0), and
+    (I + A)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8): the solve is a few dependent products
+    instead of N dependent row steps. Its terms can be much larger than the result (entries
+    of A^n up to binomial(N, n) when every key is the same and beta ~ 1: relative error 1e-4
+    at N = 16 in that worst case), so one step of refinement follows where some
+    |A_ij| > 1/2.
     """
     i_b, i_h, i_bh, o_n, m_n, rows, o_v = _node_tile(N, H, BN, BV, i_v, i_bh)
     anc, G, decay = _tree_paths(g, parents, o_n, m_n, i_b, i_h, N, H, CHAIN)
@@ -601,8 +602,10 @@ def _parallel_tile(
     # In the pass, the deferred commit S = e^G_T S0 + Kp'^T Dp (`_pending_block`) never waits
     # on its own store: K S = e^G_T K S0 + (K Kp'^T) Dp, with K Kp'^T summed beside K K^T.
     # Folding the whole tile first, then reading it back, cost 8 us of a 18 us call (H200,
-    # GDN-1.3B shape, 9 nodes, 8 pending: benchmarks/results/h200/session12/); in the pass it
-    # holds two more [BN, PB] accumulators (sm_90: 221 registers a thread against 168).
+    # GDN-1.3B shape, 9 nodes, 8 pending: benchmarks/results/h200/session12/), and folding each
+    # K block ahead of its products 2 us a block there; in closed form the products do not wait
+    # on the fold, at the cost of two more [BN, PB] accumulators (sm_90: 221 registers a thread
+    # against 168).
     IN_PASS: tl.constexpr = HAS_PENDING and not FOLD_FIRST
     if HAS_PENDING and FOLD_FIRST:
         ks_all = tl.arange(0, K)
