@@ -631,6 +631,43 @@ class Bench:
                         self.log(f"   {rec['weight_GBps']:.0f} GB/s")
                 del inputs
 
+    def cublas_shapes(self, rows=(1, 9, 17)) -> None:
+        """cuBLAS alone on the GDN-1.3B shape's in and up projections, as the unfused
+        verification calls it (F.linear), against the same product laid out otherwise: the
+        weight's rows padded to a multiple of 64 or 256 (the output a column slice of a wider
+        one), the 16 gate columns split off into a second call, and the transposed product
+        W @ h.T. cuBLAS picks its tile by shape, and the profile showed the 8208-column in
+        projection on a 128-wide tile (65 CTAs) where the 11264-column up one gets 64 (176)."""
+        from specla.config import PUBLIC_1P3B as c
+        D = c.hidden_size
+        shapes = {"in": 2 * c.key_dim + 2 * c.value_dim + 2 * c.num_heads, "up": 2 * c.mlp_size}
+        for proj, N in shapes.items():
+            gen = torch.Generator(device=self.dev).manual_seed(N)
+            padded = {"N": N, "pad64": -(-N // 64) * 64, "pad256": -(-N // 256) * 256}
+            weights = {name: [torch.randn(n, D, generator=gen, device=self.dev).to(torch.bfloat16)
+                              for _ in range(self.layers)] for name, n in padded.items()}
+            main = N - N % 64
+            for M in rows:
+                h = torch.randn(M, D, device=self.dev).to(torch.bfloat16)
+                info = dict(model="gdn-1.3b", projection=proj, M=M, K=D)
+                for name, ws in weights.items():
+                    rec = self.run("cublas", lambda l, ws=ws: F.linear(h, ws[l]), form=name,
+                                   N_padded=ws[0].shape[0], **info)
+                    if rec is not None:
+                        rec["weight_GBps"] = N * D * 2 / (rec["us"]["median"] * 1e3)
+                if main != N:
+                    ws = weights["N"]
+                    rec = self.run("cublas", lambda l, ws=ws: (F.linear(h, ws[l][:main]), F.linear(h, ws[l][main:])),
+                                   form=f"split {main}+{N - main}", N_padded=N, **info)
+                    if rec is not None:
+                        rec["weight_GBps"] = N * D * 2 / (rec["us"]["median"] * 1e3)
+                ws = weights["N"]
+                rec = self.run("cublas", lambda l, ws=ws: torch.mm(ws[l], h.t()), form="transposed",
+                               N_padded=N, **info)
+                if rec is not None:
+                    rec["weight_GBps"] = N * D * 2 / (rec["us"]["median"] * 1e3)
+            del weights
+
     def checks(self) -> list[dict]:
         """Relative error of each mode against the reference (fresh state, with pending)."""
         tv, out = self.tv, []
@@ -793,7 +830,7 @@ def main(argv=None) -> int:
                         help="distinct layer states rotated in each graph (48 x 2 MiB > L2)")
     parser.add_argument("--quick", action="store_true", help="fewer replays (a smoke run)")
     parser.add_argument("--skip", default="", help="comma list of sections to skip: "
-                        "checks,verify,sweep,parallel,commit,deferred,projection,pdl,barrier,gemv")
+                        "checks,verify,sweep,parallel,commit,deferred,projection,pdl,barrier,gemv,cublas")
     parser.add_argument("--only", default="", help="comma list of the only sections to run")
     parser.add_argument("--projection-rows", default="1,9",
                         help="comma list of row counts the projection sweep times")
@@ -828,6 +865,7 @@ def main(argv=None) -> int:
                 ("parallel", bench.parallel_sweep),
                 ("pdl", bench.pdl_chain),
                 ("barrier", bench.barrier_cost),
+                ("cublas", bench.cublas_shapes),
                 ("gemv", lambda: bench.gemv_sweep(tuple(filter(None, args.projection_models.split(","))))),
                 ("projection", lambda: bench.projection_sweep(
                     tuple(int(r) for r in args.projection_rows.split(",")),
