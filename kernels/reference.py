@@ -326,6 +326,16 @@ def swiglu_linear_ref(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(swiglu_ref(gate_up[..., :I], gate_up[..., I:]), w)
 
 
+def greedy_take_ref(logits: torch.Tensor, next_token: torch.Tensor, out: torch.Tensor,
+                    count: torch.Tensor) -> None:
+    """argmax(logits [1, vocab]) (the first index of the maximum) -> next_token [1, 1],
+    out[min(count, len(out) - 1)]; count += 1, all in place and without a host sync."""
+    nxt = logits.argmax(-1, keepdim=True)
+    next_token.copy_(nxt)
+    out.index_copy_(0, count.clamp(max=out.numel() - 1), nxt.view(1))
+    count.add_(1)
+
+
 @dataclasses.dataclass
 class DecodeWeights:
     """A GDN model's weights stacked over layers ([L, ...], contiguous) for a whole decode

@@ -780,7 +780,7 @@ def interpreter_cases(group: str):
                            lambda p=parents, H=H, K=K, V=V, W=W, dt=dtype, bias=bias: check_conv_gates(
                                p, H, K, V, W, dt, bias, dev, seed=len(p) + H))
         return
-    if group == "step":        # tests/test_conv_recurrent_step.py
+    if group == "step":        # tests/test_conv_recurrent_step.py, tests/test_greedy.py
         from tests.test_conv_recurrent_step import check_conv_recurrent_step
         for H, K, V, W, bias, neg, bv in ((2, 16, 32, 4, False, False, 16), (3, 16, 16, 3, True, True, None)):
             for dtype in (torch.float32, torch.bfloat16):
@@ -788,6 +788,9 @@ def interpreter_cases(group: str):
                     yield (f"conv_recurrent_step-H{H}-K{K}-V{V}-W{W}-BV{bv}-{dtype}-tiled={tiled}",
                            lambda a=(H, K, V, W, dtype, bias, neg), bv=bv, tiled=tiled: check_conv_recurrent_step(
                                *a, dev, seed=a[0], block_v=bv, tiled=tiled))
+        from tests.test_greedy import check_greedy_take     # the AR step's greedy token
+        for vocab, chunk in ((5000, 1024), (300, 128), (100, 2048)):
+            yield f"greedy_take-V{vocab}-chunk{chunk}", lambda v=vocab, c=chunk: check_greedy_take(v, c, dev, seed=v)
         return
     if group == "lilicorr":
         for N, S, V, k in ((1, 7, 4096, 8), (2, 3, 50, 4), (1, 15, 300, 1)):

@@ -38,16 +38,12 @@ class GraphedAR:
         self.logits.copy_(logits)
 
     def _take(self, logits: torch.Tensor) -> None:
-        """The next token from logits [1, vocab] into token, out[count]; count += 1."""
+        """The next token from logits [1, vocab] fp32 into token, out[count]; count += 1."""
         if self.temperature > 0:
             # Gumbel-max sampling without a host sync: argmax(p / Exp(1)) ~ Categorical(p)
             probs = torch.softmax(logits / self.temperature, dim=-1)
-            nxt = (probs / torch.empty_like(probs).exponential_()).argmax(-1, keepdim=True)
-        else:
-            nxt = logits.argmax(-1, keepdim=True)
-        self.token.copy_(nxt)
-        self.out.index_copy_(0, self.count.clamp(max=self.out.numel() - 1), nxt.view(1))
-        self.count.add_(1)
+            logits = probs / torch.empty_like(probs).exponential_()
+        self.rt.ops.greedy_take(logits, self.token, self.out, self.count)
 
     def replay(self) -> None:
         if self.graph is not None:

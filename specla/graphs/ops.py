@@ -96,6 +96,10 @@ class TorchOps:
         LM head product) of the normed rows."""
         return head(self.rms_norm(x, weight, eps, residual)[0])
 
+    def greedy_take(self, logits, next_token, out, count):
+        """argmax(logits [1, vocab] fp32) -> next_token [1, 1] and out[count]; count += 1."""
+        reference.greedy_take_ref(logits, next_token, out, count)
+
     def gated_norm_linear(self, o, gate, weight, eps, activation, w):
         """o [B,N,H,V] normed per head times act(gate [B,N,H*V] or None), projected by w."""
         if gate is not None:
@@ -168,6 +172,9 @@ class TorchOps:
 # recurrence kernels. Off until a GPU has timed it against them (launch_counts.py +tiled).
 FUSED_STEP_MAX_STATE = 128 * 128
 TILED_STEP = False
+# The AR step's greedy token in one launch (kernels/triton_greedy.py), not torch's argmax and
+# two more launches to store it (launch_counts.py +nogreedy times them against each other).
+GREEDY_KERNEL = True
 
 
 class FlaOps(TorchOps):
@@ -193,6 +200,8 @@ class FlaOps(TorchOps):
         self.inplace_recurrent = True
         # the verify forward's conv + gates in one kernel; off if its self-check fails
         self.fused_conv_gates = True
+        # the AR step's greedy token in one kernel; off if its self-check fails
+        self.greedy_kernel = True
 
     def rms_norm(self, x, weight, eps, residual=None):
         if residual is None:
@@ -239,6 +248,12 @@ class FlaOps(TorchOps):
 
         return conv_recurrent_step(x, cache, layer.conv_w, layer.conv_b, a, b, layer.neg_A, layer.dt_bias,
                                    S, config.head_dim, config.head_v_dim, config.allow_neg_eigval, tiled=tiled)
+
+    def greedy_take(self, logits, next_token, out, count):
+        if not (GREEDY_KERNEL and self.greedy_kernel):
+            return super().greedy_take(logits, next_token, out, count)
+        from kernels.triton_greedy import greedy_take
+        greedy_take(logits, next_token, out, count)
 
     def recurrent_step(self, q, k, v, a, b, S, layer: PackedLayer, config: GDNConfig):
         scale = config.head_dim ** -0.5
@@ -425,7 +440,28 @@ def check_ops(ops: TorchOps, config: GDNConfig, device, dtype, seed: int = 0) ->
         close(f"conv_gates {name}", x1, x2, tol)
     for name, x1, x2 in zip(("k", "g", "x"), *buffers):
         close(f"conv_gates factor {name}", x1, x2, tol)
+    failures += _check_greedy_take(ops, ref, device, gen)
     return failures
+
+
+def _check_greedy_take(ops: TorchOps, ref: TorchOps, device, gen: torch.Generator) -> list[str]:
+    """Two AR tokens through `ops.greedy_take` and the reference, into a 2-slot buffer: a
+    random row, then one whose maximum is tied at two places (the first index must win)."""
+    vocab = 5000
+    rows = torch.randn(2, 1, vocab, generator=gen).to(device)
+    rows[1, 0, [1234, 4321]] = 10.0
+    taken = []
+    for o in (ops, ref):
+        token, out, count = (torch.zeros(1, 1, dtype=torch.long, device=device),
+                             torch.zeros(2, dtype=torch.long, device=device),
+                             torch.zeros(1, dtype=torch.long, device=device))
+        try:
+            for row in rows:
+                o.greedy_take(row, token, out, count)
+        except Exception as err:  # noqa: BLE001 - a kernel that does not compile fails its check
+            return [f"greedy_take: {type(err).__name__}: {err}"]
+        taken.append((token.item(), out.tolist(), count.item()))
+    return [] if taken[0] == taken[1] else [f"greedy_take: (token, out, count) {taken[0]}, want {taken[1]}"]
 
 
 # "auto" fuses the projections for targets up to this width. The embedded model (384 wide) is
@@ -478,9 +514,13 @@ def _checked_ops(name: str, config: GDNConfig, device, dtype) -> tuple[TorchOps,
     if any(f.startswith("conv_gates") for f in probe):
         ops.fused_conv_gates = False
         probe = check_ops(ops, config, device, dtype)
+    if any(f.startswith("greedy_take") for f in probe):
+        ops.greedy_kernel = False
+        probe = check_ops(ops, config, device, dtype)
     if probe:
         raise RuntimeError("; ".join(probe))
     note = ("fla fused kernels" + ("" if ops.inplace_recurrent else " (recurrent state copied back)")
             + ("" if ops.fused_conv_gates else " (conv + gates unfused: its kernel failed its check)")
+            + ("" if ops.greedy_kernel else " (greedy token by torch ops: its kernel failed its check)")
             + (" + fused projections (norm, gated norm, SwiGLU inside the projection)" if name == "fused" else ""))
     return ops, note
