@@ -159,7 +159,7 @@ for stage in "$@"; do
     fold-tiled) # issues #15, #16: the GPU tests of both new paths, the 1.3B step per op set (launches, kernel time,
       # AR, the oracle chain of 8 at alpha 0.8 on held-out prompts) with and without the tiled conv + recurrence,
       # the parallel form's two folds (standalone) and the persistent verify step's; ~590 s on a cold machine
-      timeout "${T_FOLD_TESTS:-90}" python3 -m pytest -q -p no:cacheprovider tests/test_conv_recurrent_step.py \
+      timeout "${T_FOLD_TESTS:-90}" python3 -m pytest -q -p no:cacheprovider tests/test_conv_recurrent_step.py tests/test_greedy.py \
         tests/test_verify_step.py > "$R/gpu_tests_step.txt" 2>&1; tail -2 "$R/gpu_tests_step.txt"
       timeout "${T_FOLD_COUNTS:-290}" python3 benchmarks/launch_counts.py --out "$R" --model gdn-1.3b-random \
         --budget 8 --ops fused,fused+tiled,fla --speed-prompts data/corpus/heldout_prompts.jsonl --speed-limit 4 \
