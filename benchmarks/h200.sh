@@ -162,7 +162,7 @@ for stage in "$@"; do
       timeout "${T_FOLD_TESTS:-90}" python3 -m pytest -q -p no:cacheprovider tests/test_conv_recurrent_step.py tests/test_greedy.py \
         tests/test_verify_step.py > "$R/gpu_tests_step.txt" 2>&1; tail -2 "$R/gpu_tests_step.txt"
       timeout "${T_FOLD_COUNTS:-290}" python3 benchmarks/launch_counts.py --out "$R" --model gdn-1.3b-random \
-        --budget 8 --ops fused,fused+tiled,fla --speed-prompts data/corpus/heldout_prompts.jsonl --speed-limit 4 \
+        --budget 8 --ops ${FOLD_OPS:-fused,fused+tiled,fla} --speed-prompts data/corpus/heldout_prompts.jsonl --speed-limit 4 \
         --tokens 128 2>&1 | tee "$R/log_launch_counts.txt" | grep "^\["
       timeout "${T_FOLD_PARALLEL:-75}" python3 benchmarks/bench_kernels.py --out "$R/parallel" --only parallel 2>&1 \
         | grep "form=parallel\|parallel_sweep"
