@@ -174,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the target's per-layer ops, one set or several to compare: auto | fla | fused | torch; "
                         "a +nopdl suffix (fused+nopdl) launches the GEMV projections without programmatic "
                         "dependent launch (kernels/pdl.py); +nostep runs an AR token's conv and recurrence as "
-                        "two launches (fla's), not one (kernels/triton_conv_gates.py), and +tiled runs it as one "
-                        "launch for heads too large for one program too; +nowhole runs "
+                        "two launches (fla's), not one (kernels/triton_conv_gates.py), and +tiled (+notiled) runs it "
+                        "as one launch for heads too large for one program too (or not); +nowhole runs "
                         "a narrow target's AR token as per-op launches, not one persistent launch "
                         "(kernels/triton_decode_step.py), +whole runs it at any width, and +pN with N programs; "
                         "+noverify verifies chains with per-op launches, not one persistent launch "
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         ops, *flags = name.split("+")
         pdl.use_pdl("nopdl" not in flags)
         graph_ops.FUSED_STEP_MAX_STATE = 0 if "nostep" in flags else step_max_state
-        graph_ops.TILED_STEP = "tiled" in flags and "nostep" not in flags
+        graph_ops.TILED_STEP = ("tiled" in flags or tiled_step and "notiled" not in flags) and "nostep" not in flags
         graph_ops.GREEDY_KERNEL = greedy and "nogreedy" not in flags
         graph_ops.IN_PROJ_PAD_ROWS = next((int(f[3:]) for f in flags if f[:3] == "pad" and f[3:].isdigit()), in_pad)
         whole_step.WHOLE_STEP_MAX_HIDDEN = (0 if "nowhole" in flags else 1 << 30 if "whole" in flags
