@@ -185,8 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(kernels/triton_chain_accept.py); +noswap runs the projections of 3-16 rows of a large "
                         "narrow matrix on cuBLAS, not fused in the swapped tl.dot form (kernels/triton_projection.py); "
                         "+nogreedy takes a per-op AR step's greedy token with torch's argmax, not in one launch "
-                        "(kernels/triton_greedy.py); +padN pads the verification's in-projection weight rows to a multiple "
-                        "of N (specla/graphs/ops.py IN_PROJ_PAD_ROWS)")
+                        "(kernels/triton_greedy.py)")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
     p.add_argument("--speed-limit", type=int, default=8)
     p.add_argument("--tokens", type=int, default=128)
@@ -206,7 +205,6 @@ def main(argv: list[str] | None = None) -> int:
         result["speed"] = {"prompt_file": str(args.speed_prompts), "prompts": len(texts), "new_tokens": args.tokens}
     args.out.mkdir(parents=True, exist_ok=True)
     step_max_state, tiled_step, greedy = graph_ops.FUSED_STEP_MAX_STATE, graph_ops.TILED_STEP, graph_ops.GREEDY_KERNEL
-    in_pad = graph_ops.IN_PROJ_PAD_ROWS
     whole_max_hidden = whole_step.WHOLE_STEP_MAX_HIDDEN
     swap_min_bytes = projection.SWAP_MIN_BYTES
     for name in args.ops.split(","):
@@ -215,7 +213,6 @@ def main(argv: list[str] | None = None) -> int:
         graph_ops.FUSED_STEP_MAX_STATE = 0 if "nostep" in flags else step_max_state
         graph_ops.TILED_STEP = ("tiled" in flags or tiled_step and "notiled" not in flags) and "nostep" not in flags
         graph_ops.GREEDY_KERNEL = greedy and "nogreedy" not in flags
-        graph_ops.IN_PROJ_PAD_ROWS = next((int(f[3:]) for f in flags if f[:3] == "pad" and f[3:].isdigit()), in_pad)
         whole_step.WHOLE_STEP_MAX_HIDDEN = (0 if "nowhole" in flags else 1 << 30 if "whole" in flags
                                             else whole_max_hidden)
         whole_step.WHOLE_STEP_PROGRAMS = next((int(f[1:]) for f in flags if f[:1] == "p" and f[1:].isdigit()), None)
@@ -233,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             pdl.use_pdl(True)
             graph_ops.FUSED_STEP_MAX_STATE = step_max_state
-            graph_ops.TILED_STEP, graph_ops.GREEDY_KERNEL, graph_ops.IN_PROJ_PAD_ROWS = tiled_step, greedy, in_pad
+            graph_ops.TILED_STEP, graph_ops.GREEDY_KERNEL = tiled_step, greedy
             whole_step.WHOLE_STEP_MAX_HIDDEN, whole_step.WHOLE_STEP_PROGRAMS = whole_max_hidden, None
             whole_step.WHOLE_VERIFY = draft_step.PERSISTENT_DRAFT = whole_step.FUSED_ACCEPT = True
             projection.SWAP_MIN_BYTES = swap_min_bytes

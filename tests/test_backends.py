@@ -87,20 +87,6 @@ def test_graphed_backend_equals_eager_fp32(cpu_pair, kind, shape, deferred):
         assert "it needs a CUDA device" in graphed.drafting_note(), graphed.drafting_note()
 
 
-def test_a_padded_in_projection_decodes_as_eager(cpu_pair, monkeypatch):
-    """The verification's in-projection weight padded with zero rows (graph_ops.IN_PROJ_PAD_ROWS):
-    the wider product's extra columns are never read, and AR keeps the unpadded rows."""
-    from specla.graphs import ops as graph_ops
-    target, drafters, prompts = cpu_pair
-    monkeypatch.setattr(graph_ops, "IN_PROJ_PAD_ROWS", 64)
-    eager, graphed = Engine(target, "eager"), Engine(target, "graphed", use_graph=False)
-    layer = graphed.packed.layers[0]
-    rows = layer.w_in.shape[0]
-    assert rows % 64 and layer.w_in_padded.shape[0] == -(-rows // 64) * 64, "the embedded model's rows need padding"
-    assert layer.w_in.data_ptr() == layer.w_in_padded.data_ptr() and not layer.w_in_padded[rows:].any()
-    compare(eager, graphed, prompts[0], drafters["lilicorr"], DecodeSettings(max_new_tokens=16), SHAPES["best-first"])
-
-
 def test_graphed_state_equals_a_replay(cpu_pair):
     """After a device-drafted tree decode, the state (pending commit folded) equals feeding the
     same tokens one at a time."""

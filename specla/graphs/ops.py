@@ -33,28 +33,6 @@ class PackedLayer:
     mlp_norm: torch.Tensor
     w_gate_up: torch.Tensor   # [2I, D]
     w_down: torch.Tensor
-    # w_in with zero rows after it (w_in is a view of its first rows): the verification's
-    # product of several nodes, whose output the runtime slices by columns anyway
-    w_in_padded: torch.Tensor | None = None
-
-    def in_weight_for_nodes(self) -> torch.Tensor:
-        return self.w_in if self.w_in_padded is None else self.w_in_padded
-
-
-# The verification's in-projection weight rows padded to a multiple of this (0: none). cuBLAS
-# picks its tile by shape: at 9 rows the GDN-1.3B shape's 8208 rows (8192 + the 16 gate rows)
-# ran on a 128-wide tile, 65 CTAs of 132 SMs, at 19 us a layer where the 11264-row up
-# projection ran 64 wide (H100 profile, benchmarks/results/h100/session23/).
-IN_PROJ_PAD_ROWS = 0
-
-
-def _padded_rows(w: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(w, None), or (a view of w's rows at the top of a zero-padded copy, that copy)."""
-    if not multiple or w.shape[0] % multiple == 0:
-        return w, None
-    padded = w.new_zeros(-(-w.shape[0] // multiple) * multiple, w.shape[1])
-    padded[:w.shape[0]] = w
-    return padded[:w.shape[0]], padded
 
 
 def pack_layer(block, config: GDNConfig) -> PackedLayer:
@@ -65,10 +43,9 @@ def pack_layer(block, config: GDNConfig) -> PackedLayer:
     mats += [attn.a_proj.weight, attn.b_proj.weight]
     conv_w, conv_b = attn.conv_weight()
     A_log = attn.A_log.detach().float().contiguous()
-    w_in, w_in_padded = _padded_rows(torch.cat([m.detach() for m in mats]).contiguous(), IN_PROJ_PAD_ROWS)
     return PackedLayer(
         attn_norm=block.attn_norm.weight.detach(),
-        w_in=w_in, w_in_padded=w_in_padded,
+        w_in=torch.cat([m.detach() for m in mats]).contiguous(),
         conv_w=conv_w.detach().contiguous(),
         conv_b=None if conv_b is None else conv_b.detach().contiguous(),
         A_log=A_log, neg_A=-A_log.exp(),

@@ -135,7 +135,7 @@ class PackedTarget:
         c, ops = self.config, self.ops
         x, residual, feats = F.embedding(tokens.clamp(min=0), self.embed), None, []
         for l, layer in enumerate(self.layers):
-            y, residual = ops.norm_linear(x, layer.attn_norm, c.norm_eps, residual, layer.in_weight_for_nodes())
+            y, residual = ops.norm_linear(x, layer.attn_norm, c.norm_eps, residual, layer.w_in)
             if l > 0 and l - 1 in feature_layers:
                 # block l-1's output as the model returns it (residual + x), which this norm
                 # has just summed: no separate add
