@@ -152,14 +152,17 @@ def test_small_matrices_default_to_few_round_trips_and_large_ones_to_bandwidth()
         assert N * K * 2 > LATENCY_BOUND_BYTES, name
 
 
-def test_auto_ops_fuse_the_projections_of_narrow_targets_only():
-    """"auto" on CUDA: the fused projections for the launch-bound embedded width, fla's
-    kernels at the GDN-1.3B width (where the fused step is not measured faster); torch ops on
-    the CPU. Device names only: no GPU needed."""
+def test_auto_ops_fuse_the_projections_up_to_the_measured_widths():
+    """"auto" on CUDA: the fused projections at the embedded width and the GDN-1.3B one (both
+    measured faster than fla's kernels, AR and speculation), fla's kernels past them; torch
+    ops on the CPU. Device names only: no GPU needed."""
+    import dataclasses
+
     from specla.config import PUBLIC_1P3B
     from specla.graphs.ops import auto_ops_name
 
     embedded = GDNConfig(vocab_size=4096, hidden_size=384, num_hidden_layers=6, num_heads=6, head_dim=64)
     assert auto_ops_name(embedded, "cuda") == "fused"
-    assert auto_ops_name(PUBLIC_1P3B, "cuda") == "fla"
+    assert auto_ops_name(PUBLIC_1P3B, "cuda") == "fused"
+    assert auto_ops_name(dataclasses.replace(PUBLIC_1P3B, hidden_size=4096), "cuda") == "fla"
     assert auto_ops_name(embedded, "cpu") == auto_ops_name(PUBLIC_1P3B, "cpu") == "torch"

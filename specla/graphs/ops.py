@@ -464,17 +464,18 @@ def _check_greedy_take(ops: TorchOps, ref: TorchOps, device, gen: torch.Generato
     return [] if taken[0] == taken[1] else [f"greedy_take: (token, out, count) {taken[0]}, want {taken[1]}"]
 
 
-# "auto" fuses the projections for targets up to this width. The embedded model (384 wide) is
-# launch-bound: fused, its AR step went from 69 launches and 0.168 ms/token to 45 and 0.113
-# (H200, one run, benchmarks/results/h200/session10/). At the GDN-1.3B width the fused AR step
-# is 1.19x fla's in wall time (1.219 against 1.456 ms/token, session13/; on the H100 1.442
-# against 1.700, h100/session23/), but a speculative step there has not been timed with it end
-# to end: fla's kernels stay until one has.
-FUSED_AUTO_MAX_HIDDEN = 1024
+# "auto" fuses the projections for targets up to this width (the widths measured). The
+# embedded model (384 wide) is launch-bound: fused, its AR step went from 69 launches and
+# 0.168 ms/token to 45 and 0.113 (H200, one run, benchmarks/results/h200/session10/). At the
+# GDN-1.3B width, in one H100 run on held-out prompts (h100/session25/), the fused set's AR
+# took 1.424 ms/token against fla's 1.667 and its oracle chain of 8 at alpha 0.8 0.500 ms a
+# token against 0.517: 2.85x over the faster AR with it, 2.75x with fla's.
+FUSED_AUTO_MAX_HIDDEN = 2048
 
 
 def auto_ops_name(config: GDNConfig, device) -> str:
-    """What "auto" resolves to: torch ops off CUDA, fused projections for narrow targets, fla."""
+    """What "auto" resolves to: torch ops off CUDA, fused projections up to the widths
+    measured, fla's kernels past them."""
     if torch.device(device).type != "cuda":
         return "torch"
     return "fused" if config.hidden_size <= FUSED_AUTO_MAX_HIDDEN else "fla"
