@@ -95,8 +95,9 @@ def test_fused_projections_route_by_rows_and_matrix_size():
     embedded model's), and never more rows than its kernel holds."""
     from specla.graphs.ops import MAX_DOT_WEIGHTS, fused_projection_fits
 
-    embedded_up, gdn_1p3b_in = 2048 * 384, 8208 * 2048
-    assert embedded_up <= MAX_DOT_WEIGHTS < gdn_1p3b_in
+    embedded_up, gdn_1p3b_in, gdn_1p3b_out = 2048 * 384, 8208 * 2048, 2048 * 2048
+    assert embedded_up < MAX_DOT_WEIGHTS < gdn_1p3b_in
+    assert not fused_projection_fits(17, gdn_1p3b_out, 64, 2)     # a tree of 16: cuBLAS
     assert fused_projection_fits(1, gdn_1p3b_in, 64, 2)
     assert fused_projection_fits(2, gdn_1p3b_in, 64, 2)
     assert not fused_projection_fits(9, gdn_1p3b_in, 64, 2)

@@ -332,15 +332,18 @@ class FusedOps(FlaOps):
         return self._projection.swiglu_linear(gate_up, w)
 
 
-# Above this many weights, rows beyond the GEMV form go to cuBLAS: at the GDN-1.3B widths the
-# fused tl.dot form took 30 us a projection for a 9-node verify against cuBLAS's ~13, while
-# the GEMV form for one row matched cuBLAS + the norm kernel (H200, session 10's launch counts).
+# From this many weights on, rows beyond the GEMV form go to cuBLAS (or, for 3-16 rows of a
+# narrow matrix, the swapped form: `triton_projection.swaps`): at the GDN-1.3B widths the fused
+# tl.dot form took 30 us a projection for a 9-node verify against cuBLAS's ~13, while the GEMV
+# form for one row matched cuBLAS + the norm kernel (H200, session 10's launch counts). The
+# 1.3B out projection has exactly this many; fused at 17 nodes, it made the oracle tree of 16
+# 10% slower a step than fla's (H100, benchmarks/results/h100/session25/).
 MAX_DOT_WEIGHTS = 1 << 22
 
 
 def fused_projection_fits(rows: int, weights: int, max_rows: int, max_gemv_rows: int) -> bool:
     """Whether FusedOps runs a projection of `rows` rows and `weights` weights fused."""
-    return rows <= max_gemv_rows or (rows <= max_rows and weights <= MAX_DOT_WEIGHTS)
+    return rows <= max_gemv_rows or (rows <= max_rows and weights < MAX_DOT_WEIGHTS)
 
 
 def check_ops(ops: TorchOps, config: GDNConfig, device, dtype, seed: int = 0) -> list[str]:
