@@ -10,8 +10,8 @@
 # tree-preset (the same for trees in the verification's launch and the block drafter's measured preset),
 # ngram-chain (the n-gram chain kernel's GPU tests, the page's GPU defaults, e2e rows in PAIR_ROWS, bench_programs.py),
 # swap-1p3b (the swapped projection's remaining GPU tests, the 1.3B oracle rows with fused and fla ops),
-# fold-tiled (the closed-form pending fold and the tiled conv + recurrence: GPU tests, then each timed against the
-# path it would replace; needs data/corpus/heldout_prompts.jsonl),
+# step-ops (the AR step's kernels' and the persistent verification's GPU tests, the 1.3B step per op set in
+# STEP_OPS; needs data/corpus/heldout_prompts.jsonl),
 # app (benchmarks/app_vs_bench.py: the real app over HTTP against the bench's rows; options in APP_ARGS,
 # cases named without spaces, e.g. --cases block_chain,lilicorr_best-first_16), launch-counts (kernels per step body),
 # projection-sweep (benchmarks/bench_kernels.py --only projection), gemv (--only gemv), parallel (--only parallel,pdl), ops-compare (fla against the fused projections,
@@ -156,21 +156,15 @@ for stage in "$@"; do
           --pair-budget 1 --oracle-alphas 0.8 --tokens 128 --deadline $((${T_SWAP_E2E:-210} - 15)) \
           --out "$R/e2e_oracle_$ops" 2>&1 | tee "$R/log_e2e_oracle_$ops.txt" | grep "\[e2e\]"
       done ;;
-    fold-tiled) # issues #15, #16: the GPU tests of both new paths, the 1.3B step per op set (launches, kernel time,
-      # AR, the oracle chain of 8 at alpha 0.8 on held-out prompts) with and without the tiled conv + recurrence,
-      # the parallel form's two folds (standalone) and the persistent verify step's; ~590 s on a cold machine
-      timeout "${T_FOLD_TESTS:-90}" python3 -m pytest -q -p no:cacheprovider tests/test_conv_recurrent_step.py tests/test_greedy.py \
-        tests/test_verify_step.py > "$R/gpu_tests_step.txt" 2>&1; tail -2 "$R/gpu_tests_step.txt"
-      timeout "${T_FOLD_COUNTS:-290}" python3 benchmarks/launch_counts.py --out "$R" --model gdn-1.3b-random \
-        --budget 8 --ops ${FOLD_OPS:-fused,fused+tiled,fla} --speed-prompts data/corpus/heldout_prompts.jsonl --speed-limit 4 \
-        --tokens 128 2>&1 | tee "$R/log_launch_counts.txt" | grep "^\["
-      timeout "${T_FOLD_PARALLEL:-75}" python3 benchmarks/bench_kernels.py --out "$R/parallel" --only parallel 2>&1 \
-        | grep "form=parallel\|parallel_sweep"
-      timeout "${T_FOLD_STEP:-90}" python3 benchmarks/bench_verify_step.py --out "$R" --accept --nodes 16 \
-        --variants 4/256/1,4/256/1:FOLD_FIRST=0,4/256/1,4/256/1:FOLD_FIRST=0 2>&1 | cut -c1-200
-      timeout "${T_FOLD_KERNEL_TESTS:-35}" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
-        -k "folds_pending_either_way or pending_counts" > "$R/gpu_tests_parallel.txt" 2>&1
-      tail -2 "$R/gpu_tests_parallel.txt"; rm -f "$R/parallel/verify_cost.json" ;;
+    step-ops) # issues #15, #16: the GPU tests of the AR step's kernels (conv + recurrence, one program a head
+      # or a V tile; the greedy token) and the persistent verification, then the 1.3B step per op set in
+      # STEP_OPS (launches, kernel time, AR and the oracle chain of 8 at alpha 0.8 on held-out prompts;
+      # launch_counts.py --help lists the +flags); ~450 s on a cold machine
+      timeout "${T_STEP_TESTS:-120}" python3 -m pytest -q -p no:cacheprovider tests/test_conv_recurrent_step.py \
+        tests/test_greedy.py tests/test_verify_step.py > "$R/gpu_tests_step.txt" 2>&1; tail -2 "$R/gpu_tests_step.txt"
+      timeout "${T_STEP_COUNTS:-290}" python3 benchmarks/launch_counts.py --out "$R" --model gdn-1.3b-random \
+        --budget 8 --ops ${STEP_OPS:-fused,fused+tiled,fla} --speed-prompts data/corpus/heldout_prompts.jsonl \
+        --speed-limit 4 --tokens 128 2>&1 | tee "$R/log_launch_counts.txt" | grep "^\[" ;;
     speedup) # the model-free drafter beside the trained ones, on both prompt sets (needs data/corpus/*_prompts.jsonl)
       timeout "${T_SPEEDUP:-240}" python3 benchmarks/run_acceptance.py --speedup --device cuda --limit 8 \
         --max-new-tokens 128 --out "$R" --name speedup_h200 --rows ${SPEEDUP_ROWS:-ngram:chain:1:8:depth=8 \

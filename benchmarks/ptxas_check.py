@@ -140,27 +140,24 @@ def verify_launches(pending: int = 8) -> list[tuple[str, tuple]]:
 
     z, out = torch.zeros, []
     for H, K, N in ((8, 256, 9), (6, 64, 16)):
-        for fold_first in (True, False):
-            x = [z(1, N, H, K) for _ in range(3)] + [z(1, N, H), z(1, N, H), z(1, H, K, K)]
-            pend = (z(1, pending, H, K), z(1, pending, H, K), z(1, pending, H))
-            launch = recorded_launches(lambda: triton_verify._parallel_verify(
-                *x, torch.arange(-1, N - 1), True, pend, z(1, N, H, K), z(1, N, H, K), fold_first=fold_first),
-                ["_parallel_kernel"], triton_verify)[0]
-            out.append((f"K={K} N={N} P={pending} fold_first={fold_first}", launch))
+        x = [z(1, N, H, K) for _ in range(3)] + [z(1, N, H), z(1, N, H), z(1, H, K, K)]
+        pend = (z(1, pending, H, K), z(1, pending, H, K), z(1, pending, H))
+        launch = recorded_launches(lambda: triton_verify._parallel_verify(
+            *x, torch.arange(-1, N - 1), True, pend, z(1, N, H, K), z(1, N, H, K)),
+            ["_parallel_kernel"], triton_verify)[0]
+        out.append((f"K={K} N={N} P={pending}", launch))
     L, D, H, K, V, W, I, vocab = STEP_SHAPES["embedded"]
     wt = random_weights(L, D, H, K, V, W, I, vocab, torch.bfloat16, "cpu", False, 0)
     n, C = 16, H * (2 * K + V)
     factors = (z(L, 1, n, H, K), z(L, 1, n, H), z(L, 1, n, H, V), z(L, 1, n, C, dtype=torch.bfloat16))
     pend = (z(L, 1, pending, H, K), z(L, 1, pending, H, V), z(L, 1, pending, H))
-    for fold_first in (1, 0):
-        verify = triton_verify_step.PersistentChainVerify(wt, H, K, V, 1e-6, n, (1, 3, L - 1), programs=132,
-                                                          blocks={"FOLD_FIRST": fold_first})
-        args = (torch.randint(2, vocab, (1, n)), torch.ones(1, dtype=torch.long), z(L, 1, C, W, dtype=torch.bfloat16),
-                z(L, 1, H, K, V), pend, z(n, vocab), z(n, D, dtype=torch.bfloat16),
-                z(n, 3, D, dtype=torch.bfloat16), factors)
-        launch = recorded_launches(lambda: verify(*args, accept=accept_buffers(n, pending, "cpu")),
-                                   ["_chain_verify_kernel"], triton_verify_step)[0]
-        out.append((f"embedded N={n} P={pending} accept FOLD_FIRST={fold_first}", launch))
+    verify = triton_verify_step.PersistentChainVerify(wt, H, K, V, 1e-6, n, (1, 3, L - 1), programs=132)
+    args = (torch.randint(2, vocab, (1, n)), torch.ones(1, dtype=torch.long), z(L, 1, C, W, dtype=torch.bfloat16),
+            z(L, 1, H, K, V), pend, z(n, vocab), z(n, D, dtype=torch.bfloat16),
+            z(n, 3, D, dtype=torch.bfloat16), factors)
+    launch = recorded_launches(lambda: verify(*args, accept=accept_buffers(n, pending, "cpu")),
+                               ["_chain_verify_kernel"], triton_verify_step)[0]
+    out.append((f"embedded N={n} P={pending} accept", launch))
     H, K = 8, 256
     C = 3 * H * K
     row = z(1, 1, C + 2 * H, dtype=torch.bfloat16)

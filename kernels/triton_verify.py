@@ -55,10 +55,6 @@ DOT_PRECISION = "ieee"
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The walk kernels' tile orientation: [BV, K] (sums over K within a warp) or [K, BV]
 WALK_V_FIRST = False
-# The parallel form folds a pending commit into the whole state tile before its K pass, not in
-# closed form inside it (`_parallel_tile`), until a GPU has timed both (bench_kernels.py
-# --only parallel: the fold_first configs)
-PARALLEL_FOLD_FIRST = True
 
 
 # ---------------------------------------------------------------------------------------
@@ -529,45 +525,6 @@ def _inverse_times(A, A2, A4, A8, x, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _pending_log_decay(gp, i_b, i_h, P, lo, hi, H: tl.constexpr, PB: tl.constexpr):
-    """The summed log decay of pending factors lo..hi-1 of one (batch, head)."""
-    o_p = tl.arange(0, PB)
-    total = tl.sum(tl.zeros([PB], dtype=tl.float32), 0)       # a tensor, as the loop carries it
-    for p0 in range(lo, hi, PB):
-        m = p0 + o_p < hi
-        total += tl.sum(tl.load(gp + (i_b * P + p0 + o_p) * H + i_h, mask=m, other=0.).to(tl.float32), 0)
-    return total
-
-
-@triton.jit
-def _pending_block(dp, gp, i_b, i_h, P, p0, G_T, o_v, H: tl.constexpr, V: tl.constexpr, PB: tl.constexpr):
-    """Pending factors p0..p0+PB-1 of one (batch, head) in the closed form of their fold,
-    S = e^G_T S0 + sum_t e^(G_T - G_t) k_t d_t^T: the factors' rows in [B, P, H, *], their key
-    scales e^(G_T - G_t) [PB] (0 past P) and their deltas [PB, BV]."""
-    o_p = tl.arange(0, PB)
-    m = p0 + o_p < P
-    row = (i_b * P + p0 + o_p) * H + i_h
-    G = _pending_log_decay(gp, i_b, i_h, P, 0, p0, H, PB) + \
-        tl.cumsum(tl.load(gp + row, mask=m, other=0.).to(tl.float32), 0)
-    scale = tl.where(m, tl.exp(G_T - G), 0.)
-    d = tl.load(dp + row[:, None] * V + o_v[None, :], mask=m[:, None], other=0.).to(tl.float32)
-    return row, scale, d
-
-
-@triton.jit
-def _pending_keys(kp, row, scale, o_k, K: tl.constexpr):
-    """Scaled pending keys e^(G_T - G_t) k_t [PB, BK] for the key columns o_k."""
-    return tl.load(kp + row[:, None] * K + o_k[None, :], mask=(scale > 0)[:, None], other=0.).to(tl.float32) \
-        * scale[:, None]
-
-
-@triton.jit
-def _key_block(x, rows, m_n, o_k, K: tl.constexpr):
-    """The nodes' queries or keys [BN, BK] for the key columns o_k, fp32 (zeros past N)."""
-    return tl.load(x + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
-
-
-@triton.jit
 def _parallel_tile(
     q, k, v, g, beta, parents, S, o, delta,
     stride_sb, stride_sh, stride_sk, stride_sv,
@@ -575,85 +532,45 @@ def _parallel_tile(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CHAIN: tl.constexpr, HAS_PENDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FOLD_FIRST: tl.constexpr = False,
 ):
     """The whole parallel form of one (batch, head, V tile): `_parallel_kernel`'s program
     (i_v, i_bh), or a unit of a persistent kernel's phase.
 
-    One pass over K builds K K^T, Q K^T, K S and Q S, where S is S0 with `pending` folded
-    in: in closed form inside the pass, each K block of the folded tile written as it is
-    read, or (FOLD_FIRST) on the whole tile before the pass, which reads it back. A is
-    strictly lower triangular, so nilpotent (A^16 = 0), and
-    (I + A)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8): the solve is a few dependent products
-    instead of N dependent row steps. Its terms can be much larger than the result (entries
-    of A^n up to binomial(N, n) when every key is the same and beta ~ 1: relative error 1e-4
-    at N = 16 in that worst case), so one step of refinement follows where some
-    |A_ij| > 1/2.
+    One pass over K builds K K^T, Q K^T, K S0 and Q S0 (after folding `pending` into the
+    program's S0 tile and writing it back). A is strictly lower triangular, so nilpotent
+    (A^16 = 0), and (I + A)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8): the solve is a few
+    dependent products instead of N dependent row steps. Its terms can be much larger than
+    the result (entries of A^n up to binomial(N, n) when every key is the same and beta ~ 1:
+    relative error 1e-4 at N = 16 in that worst case), so one step of refinement follows
+    where some |A_ij| > 1/2.
     """
     i_b, i_h, i_bh, o_n, m_n, rows, o_v = _node_tile(N, H, BN, BV, i_v, i_bh)
     anc, G, decay = _tree_paths(g, parents, o_n, m_n, i_b, i_h, N, H, CHAIN)
-    PB: tl.constexpr = 16                                   # pending factors a block
 
     kk = tl.zeros([BN, BN], dtype=tl.float32)
     qk = tl.zeros([BN, BN], dtype=tl.float32)
     ks = tl.zeros([BN, BV], dtype=tl.float32)               # K S0
     qs = tl.zeros([BN, BV], dtype=tl.float32)               # Q S0
     p_S = S + i_b * stride_sb + i_h * stride_sh + o_v[None, :] * stride_sv
-    # In the pass, the deferred commit S = e^G_T S0 + Kp'^T Dp (`_pending_block`) never waits
-    # on its own store: K S = e^G_T K S0 + (K Kp'^T) Dp, with K Kp'^T summed beside K K^T.
-    # Folding the whole tile first, then reading it back, cost 8 us of a 18 us call (H200,
-    # GDN-1.3B shape, 9 nodes, 8 pending: benchmarks/results/h200/session12/), and folding each
-    # K block ahead of its products 2 us a block there; in closed form the products do not wait
-    # on the fold, at the cost of two more [BN, PB] accumulators (sm_90: 221 registers a thread
-    # against 168).
-    IN_PASS: tl.constexpr = HAS_PENDING and not FOLD_FIRST
-    if HAS_PENDING and FOLD_FIRST:
+    if HAS_PENDING:
+        # the deferred commit on the whole [K, BV] tile first, as the walk does: folded block
+        # by block inside the K pass it cost 2 us a block (H200, GDN-1.3B shape), and in closed
+        # form inside it (K S = e^G_T K S0 + (K Kp'^T) Dp) 23.3 us a layer against 13.2 for 9
+        # nodes and 8 pending factors (H100, benchmarks/results/h100/session25/)
         ks_all = tl.arange(0, K)
         h = _fold_pending(tl.load(p_S + ks_all[:, None] * stride_sk), kp, dp, gp, i_b, i_h, P,
                           ks_all, o_v, H, K, V)
         tl.store(p_S + ks_all[:, None] * stride_sk, h)
         tl.debug_barrier()        # the pass below reads the tile through other threads
-    eGT = 1.0
-    if IN_PASS:
-        G_T = _pending_log_decay(gp, i_b, i_h, P, 0, P, H, PB)
-        eGT = tl.exp(G_T)
-        row0, scale0, d0 = _pending_block(dp, gp, i_b, i_h, P, 0, G_T, o_v, H, V, PB)
-        ck = tl.zeros([BN, PB], dtype=tl.float32)           # K Kp'^T, the first PB factors
-        cq = tl.zeros([BN, PB], dtype=tl.float32)
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         b_S = tl.load(p_S + o_k[:, None] * stride_sk)
-        b_k = _key_block(k, rows, m_n, o_k, K)
-        b_q = _key_block(q, rows, m_n, o_k, K)
+        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
         kk += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
         qk += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
         ks += tl.dot(b_k, b_S, input_precision=DOT_PRECISION)
         qs += tl.dot(b_q, b_S, input_precision=DOT_PRECISION)
-        if IN_PASS:
-            b_kp = _pending_keys(kp, row0, scale0, o_k, K)
-            ck += tl.dot(b_k, tl.trans(b_kp), input_precision=DOT_PRECISION)
-            cq += tl.dot(b_q, tl.trans(b_kp), input_precision=DOT_PRECISION)
-            h = b_S * eGT + tl.dot(tl.trans(b_kp), d0, input_precision="ieee")
-            for p0 in range(PB, P, PB):         # past PB pending factors (rare): their share
-                row, scale, d = _pending_block(dp, gp, i_b, i_h, P, p0, G_T, o_v, H, V, PB)
-                h += tl.dot(tl.trans(_pending_keys(kp, row, scale, o_k, K)), d, input_precision="ieee")
-            tl.store(p_S + o_k[:, None] * stride_sk, h)
-    if IN_PASS:
-        ks = eGT * ks + tl.dot(ck, d0, input_precision=DOT_PRECISION)
-        qs = eGT * qs + tl.dot(cq, d0, input_precision=DOT_PRECISION)
-        for p0 in range(PB, P, PB):             # past PB pending factors: a pass over K each
-            row, scale, d = _pending_block(dp, gp, i_b, i_h, P, p0, G_T, o_v, H, V, PB)
-            ck = tl.zeros([BN, PB], dtype=tl.float32)
-            cq = tl.zeros([BN, PB], dtype=tl.float32)
-            for i_k in range(K // BK):
-                o_k = i_k * BK + tl.arange(0, BK)
-                b_kp = _pending_keys(kp, row, scale, o_k, K)
-                b_k = _key_block(k, rows, m_n, o_k, K)
-                b_q = _key_block(q, rows, m_n, o_k, K)
-                ck += tl.dot(b_k, tl.trans(b_kp), input_precision=DOT_PRECISION)
-                cq += tl.dot(b_q, tl.trans(b_kp), input_precision=DOT_PRECISION)
-            ks += tl.dot(ck, d, input_precision=DOT_PRECISION)
-            qs += tl.dot(cq, d, input_precision=DOT_PRECISION)
 
     b_beta = tl.load(beta + rows, mask=m_n, other=0.).to(tl.float32)
     strict = anc & (o_n[:, None] != o_n[None, :])
@@ -684,12 +601,12 @@ def _parallel_kernel(
     kp, dp, gp, P, N,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    CHAIN: tl.constexpr, HAS_PENDING: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLD_FIRST: tl.constexpr,
+    CHAIN: tl.constexpr, HAS_PENDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """The whole parallel form of one (batch, head, V tile) a program (`_parallel_tile`)."""
     _parallel_tile(q, k, v, g, beta, parents, S, o, delta, stride_sb, stride_sh, stride_sk, stride_sv,
                    kp, dp, gp, P, N, tl.program_id(0), tl.program_id(1), H, K, V, BN, BK, BV,
-                   CHAIN, HAS_PENDING, DOT_PRECISION, FOLD_FIRST)
+                   CHAIN, HAS_PENDING, DOT_PRECISION)
 
 
 def _parallel_config(N: int, K: int, V: int, block_v: int | None = None, block_k: int | None = None,
@@ -701,7 +618,7 @@ def _parallel_config(N: int, K: int, V: int, block_v: int | None = None, block_k
 
 
 def _parallel_verify(q, k, v, g, beta, S0, parents, chain_nodes, pending, o, delta,
-                     block_v=None, block_k=None, num_warps=None, dot_precision=None, fold_first=None):
+                     block_v=None, block_k=None, num_warps=None, dot_precision=None):
     B, N, H, K = q.shape
     V = v.shape[-1]
     cfg = _parallel_config(N, K, V, block_v, block_k, num_warps)
@@ -711,7 +628,7 @@ def _parallel_verify(q, k, v, g, beta, S0, parents, chain_nodes, pending, o, del
         kp, dp, gp, P, N,
         H=H, K=K, V=V, BN=cfg["BN"], BK=cfg["BK"], BV=cfg["BV"],
         CHAIN=chain_nodes, HAS_PENDING=has_pending, DOT_PRECISION=dot_precision or DOT_PRECISION,
-        FOLD_FIRST=PARALLEL_FOLD_FIRST if fold_first is None else fold_first, num_warps=cfg["num_warps"])
+        num_warps=cfg["num_warps"])
 
 
 def _tree_config(N: int, K: int, V: int, block_v: int | None = None) -> dict:
@@ -807,7 +724,7 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
            out: tuple[torch.Tensor, torch.Tensor] | None = None,
            block_v: int | None = None, num_warps: int | None = None, v_first: bool | None = None,
            form: str | None = None, block_k: int | None = None, dot_precision: str | None = None,
-           fold_first: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Outputs and deltas [B,N,H,V] fp32 of every node of `topo` for one layer.
 
     mode: "chain" (nodes 0..N-1 form a chain; `topo` is not read), "tree" (reads
@@ -822,7 +739,7 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     (N <= 16) or its two-launch "gram_solve".
     For benchmarking, block_v overrides the V tile (every form), num_warps the warps,
     v_first the walk's tile orientation, block_k and dot_precision the parallel form's K
-    block and tl.dot precision, fold_first its way of folding `pending` (`_parallel_tile`).
+    block and tl.dot precision.
     """
     if mode not in MODES:
         raise ValueError(f"unknown verification mode {mode!r}; the kernels do {', '.join(MODES)}")
@@ -850,8 +767,7 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         form = "parallel" if CHAIN_PARALLEL_MIN_NODES <= N <= PARALLEL_MAX_NODES else "walk"
     if form == "parallel" and N > PARALLEL_MAX_NODES:
         raise ValueError(f"the one-launch parallel form takes up to {PARALLEL_MAX_NODES} nodes, not {N}")
-    parallel_options = dict(block_k=block_k, num_warps=num_warps, dot_precision=dot_precision,
-                            fold_first=fold_first)
+    parallel_options = dict(block_k=block_k, num_warps=num_warps, dot_precision=dot_precision)
     if mode == "chain" and form == "walk":
         _chain_verify(q, k, v, g, beta, S0, pending, o, delta, block_v, num_warps, v_first)
     elif mode == "chain":

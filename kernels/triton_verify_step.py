@@ -204,8 +204,7 @@ def _chain_verify_kernel(
         BM: tl.constexpr, BN_IN: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr,
         BN_HEAD: tl.constexpr, BK_D: tl.constexpr, BK_O: tl.constexpr, BK_I: tl.constexpr, BD: tl.constexpr,
         BK_IN: tl.constexpr, BH_IN: tl.constexpr, BW: tl.constexpr, PBK: tl.constexpr, PBV: tl.constexpr,
-        SPLIT_O: tl.constexpr, SPLIT_DOWN: tl.constexpr, FOLD_FIRST: tl.constexpr, TIMED: tl.constexpr,
-        ACCEPT: tl.constexpr,
+        SPLIT_O: tl.constexpr, SPLIT_DOWN: tl.constexpr, TIMED: tl.constexpr, ACCEPT: tl.constexpr,
         ORACLE: tl.constexpr, BVOC: tl.constexpr, BNODES: tl.constexpr, BP: tl.constexpr, BC: tl.constexpr,
         BHK: tl.constexpr, BHV: tl.constexpr, BH: tl.constexpr, CHAIN: tl.constexpr):
     pid = tl.program_id(0)
@@ -250,8 +249,7 @@ def _chain_verify_kernel(
             _parallel_tile(q_s, k_f + l * N * H * K, v_s, g_f + l * N * H, beta_s, parents, S + l * H * K * V,
                            o_buf, delta_f + l * N * H * V, H * K * V, K * V, V, 1,
                            pk + l * P * H * K, pd + l * P * H * V, pg + l * P * H, P, N,
-                           unit % tiles, unit // tiles, H, K, V, 16, PBK, PBV, CHAIN, HAS_PENDING, "ieee",
-                           FOLD_FIRST)
+                           unit % tiles, unit // tiles, H, K, V, 16, PBK, PBV, CHAIN, HAS_PENDING, "ieee")
         stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1
@@ -332,10 +330,8 @@ class PersistentChainVerify:
     and one gated output: the weights, the scratch rows and the barrier counter, made once
     (a CUDA graph holds their addresses). `feature_layers` are the layers whose outputs a
     drafter reads (in layer order); `programs` defaults to the device's SM count. The
-    projections' K blocks are at most `block_k` wide, and `blocks` overrides any tile, or
-    FOLD_FIRST (phase B's way of folding the pending commit, `_parallel_tile`: 1 keeps the
-    kernel's registers lower) (benchmarks sweep them); `timed` records when each program
-    ends each phase (`phase_us`)."""
+    projections' K blocks are at most `block_k` wide, and `blocks` overrides any tile
+    (benchmarks sweep them); `timed` records when each program ends each phase (`phase_us`)."""
 
     def __init__(self, weights: DecodeWeights, num_heads: int, head_dim: int, head_v_dim: int, eps: float,
                  nodes: int, feature_layers: tuple[int, ...] = (), swish: bool = True, neg_eigval: bool = False,
@@ -380,7 +376,7 @@ class PersistentChainVerify:
             BM=16, BN_IN=in_proj_block(H, K, V), BK_IN=min(bk(D), 128), BN_O=bn(D, triton.cdiv(H * V, bk_o)), BN_GU=bn(2 * I),
             BN_DOWN=bn(D, triton.cdiv(I, bk_i)), BN_HEAD=bn(self.shape["VOCAB"]), BK_D=bk(D), BK_O=bk_o, BK_I=bk_i,
             BD=triton.next_power_of_2(D), BH_IN=triton.next_power_of_2(H), BW=triton.next_power_of_2(W),
-            PBK=par["BK"], PBV=par["BV"], FOLD_FIRST=1)
+            PBK=par["BK"], PBV=par["BV"])
         unknown = set(blocks or ()) - set(self.blocks)
         if unknown:
             raise ValueError(f"chain verify: no tiles named {sorted(unknown)}")

@@ -169,7 +169,8 @@ class TorchOps:
 # Heads up to this many state values (K x V) take the one-launch AR step with one program a
 # head, which holds its state in a few register tiles. Larger heads (the GDN-1.3B shape's
 # 256 x 256) take it with one program a V tile where TILED_STEP is on, else fla's conv and
-# recurrence kernels. Off until a GPU has timed it against them (launch_counts.py +tiled).
+# recurrence kernels. Off: at the 1.3B shape it took 149.3 us a step against their 146.2, in
+# 24 launches against 48 (H100, benchmarks/results/h100/session25/; launch_counts.py +tiled).
 FUSED_STEP_MAX_STATE = 128 * 128
 TILED_STEP = False
 # The AR step's greedy token in one launch (kernels/triton_greedy.py), not torch's argmax and
