@@ -631,40 +631,28 @@ class Bench:
                 del inputs
 
     def cublas_shapes(self, rows=(1, 9, 17)) -> None:
-        """cuBLAS alone on the GDN-1.3B shape's in and up projections, as the unfused
-        verification calls it (F.linear), against the same product laid out otherwise: the
-        weight's rows padded to a multiple of 64 or 256 (the output a column slice of a wider
-        one), the 16 gate columns split off into a second call, and the transposed product
-        W @ h.T. cuBLAS picks its tile by shape, and the profile showed the 8208-column in
-        projection on a 128-wide tile (65 CTAs) where the 11264-column up one gets 64 (176)."""
+        """cuBLAS on the GDN-1.3B in and up projections as the verification calls it (F.linear),
+        and laid out otherwise (cuBLAS picks its tile by shape): the weight's rows padded to a
+        multiple of 64 or 256, the 16 gate rows in a second call, the transposed W @ h.T."""
         from specla.config import PUBLIC_1P3B as c
         D = c.hidden_size
-        shapes = {"in": 2 * c.key_dim + 2 * c.value_dim + 2 * c.num_heads, "up": 2 * c.mlp_size}
-        for proj, N in shapes.items():
+        for proj, N in {"in": 2 * c.key_dim + 2 * c.value_dim + 2 * c.num_heads, "up": 2 * c.mlp_size}.items():
             gen = torch.Generator(device=self.dev).manual_seed(N)
-            padded = {"N": N, "pad64": -(-N // 64) * 64, "pad256": -(-N // 256) * 256}
             weights = {name: [torch.randn(n, D, generator=gen, device=self.dev).to(torch.bfloat16)
-                              for _ in range(self.layers)] for name, n in padded.items()}
-            main = N - N % 64
+                              for _ in range(self.layers)]
+                       for name, n in {"N": N, "pad64": -(-N // 64) * 64, "pad256": -(-N // 256) * 256}.items()}
+            main, ws = N - N % 64, weights["N"]
             for M in rows:
                 h = torch.randn(M, D, device=self.dev).to(torch.bfloat16)
-                info = dict(model="gdn-1.3b", projection=proj, M=M, K=D)
-                for name, ws in weights.items():
-                    rec = self.run("cublas", lambda l, ws=ws: F.linear(h, ws[l]), form=name,
-                                   N_padded=ws[0].shape[0], **info)
-                    if rec is not None:
-                        rec["weight_GBps"] = N * D * 2 / (rec["us"]["median"] * 1e3)
+                forms = {name: lambda l, w=w: F.linear(h, w[l]) for name, w in weights.items()}
+                forms["transposed"] = lambda l: torch.mm(ws[l], h.t())
                 if main != N:
-                    ws = weights["N"]
-                    rec = self.run("cublas", lambda l, ws=ws: (F.linear(h, ws[l][:main]), F.linear(h, ws[l][main:])),
-                                   form=f"split {main}+{N - main}", N_padded=N, **info)
+                    forms[f"split {main}+{N - main}"] = lambda l: (F.linear(h, ws[l][:main]), F.linear(h, ws[l][main:]))
+                for form, call in forms.items():
+                    rec = self.run("cublas", call, model="gdn-1.3b", projection=proj, M=M, K=D, form=form,
+                                   N_padded=weights.get(form, ws)[0].shape[0])
                     if rec is not None:
                         rec["weight_GBps"] = N * D * 2 / (rec["us"]["median"] * 1e3)
-                ws = weights["N"]
-                rec = self.run("cublas", lambda l, ws=ws: torch.mm(ws[l], h.t()), form="transposed",
-                               N_padded=N, **info)
-                if rec is not None:
-                    rec["weight_GBps"] = N * D * 2 / (rec["us"]["median"] * 1e3)
             del weights
 
     def checks(self) -> list[dict]:

@@ -564,39 +564,6 @@ def test_lilicorr_head_matches_module(shape, dtype, options):
     assert not check_lilicorr_head(shape, dtype, "cuda", seed=len(shape), **options)
 
 
-def test_ptxas_check_reports_the_head_launches():
-    """The sm_90 register / spill check compiles both launches of a small head on the CPU."""
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("the check compiles; the interpreter does not")
-    from benchmarks import ptxas_check
-    fields, S, k, vocab = HEAD_SHAPES["odd"]
-    reports = [ptxas_check.launch_report(launch)
-               for launch in ptxas_check.head_launches(fields, k, slots=S, vocab=vocab)]
-    assert [r["launch"] for r in reports] == ["_head_prologue_kernel", "_lilicorr_head_kernel"]
-    for r in reports:
-        assert r["instructions"] > 100 and 0 < r["registers"] <= 255 and r["spill_stores"] >= 0
-
-
-def test_ptxas_check_compiles_the_state_kernels_without_spills():
-    """The verification's parallel form and the AR token's tiled conv + recurrence at the
-    GDN-1.3B head shape fit sm_90's registers; the persistent verify step is recorded (not
-    compiled here: its compile is the slow one)."""
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("the check compiles; the interpreter does not")
-    from benchmarks import ptxas_check
-    launches = ptxas_check.verify_launches()
-    assert sum(launch[0].__name__ == "_chain_verify_kernel" for _, launch in launches) == 1
-    for case, launch in launches:
-        if case.startswith("K=256") or "tiled" in case:
-            r = ptxas_check.launch_report(launch)
-            assert r["instructions"] > 100 and r["registers"] <= 255 and r["spill_stores"] == 0, (case, r)
-    # launched with PDL, the tiled step signals its dependents and waits for the kernel before it
-    kernel, args, kwargs = next(launch for case, launch in launches if "tiled" in case)
-    assert ptxas_check.compile_sm90(kernel, args, kwargs).asm["ptx"].count("griddepcontrol") == 2
-
-
 @needs_cuda
 @pytest.mark.parametrize("shape", ["embedded", "wide"])
 def test_lilicorr_draft_matches_topk_then_head(shape):
