@@ -601,13 +601,13 @@ class Bench:
         return err
 
     def gemv_sweep(self, models: tuple[str, ...] = ()) -> None:
-        """The GEMV form (one row, an AR step's projections) streaming each layer's own
-        weights: the default tiling against the sum over K left to after the loop (`packed`
-        False: a [BN, BK] accumulator) and other block shapes. Records weight GB/s beside the
-        time, to read against the copy rate."""
+        """The GEMV form (one row, an AR step's projections) streaming each layer's own weights:
+        the default tiling, the sum over K left to after the loop (`packed` False) and other block
+        shapes (the last two: the prologue over one 256-wide K block a program, not 4-8), with
+        weight GB/s beside the time, to read against the copy rate."""
         from kernels import triton_projection as tp
-        variants = [{}, {"packed": False}, {"block_k": 512}, {"block_k": 1024}, {"block_n": 4},
-                    {"block_n": 16}, {"split_k": 1}]
+        variants = [{}, {"packed": False}, {"block_k": 512}, {"block_k": 1024}, {"block_n": 4}, {"block_n": 16},
+                    {"split_k": 1}, *({"block_n": n, "block_k": 256, "split_k": 8} for n in (16, 32))]
         for model, config in projection_models().items():
             if models and model not in models:
                 continue

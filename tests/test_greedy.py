@@ -53,7 +53,8 @@ def test_greedy_take_matches_reference(vocab, chunk):
 
 def test_greedy_take_rejects_bad_input():
     from kernels.triton_greedy import greedy_take
-    token, out, count = torch.zeros(1, 1, dtype=torch.long), torch.zeros(4, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    token, out, count = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(4, dtype=torch.long),
+                         torch.zeros(1, dtype=torch.long))
     with pytest.raises(ValueError, match="fp32 row"):
         greedy_take(torch.zeros(2, 10), token, out, count)
     with pytest.raises(ValueError, match="fp32 row"):
