@@ -174,8 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the target's per-layer ops, one set or several to compare: auto | fla | fused | torch; "
                         "a +nopdl suffix (fused+nopdl) launches the GEMV projections without programmatic "
                         "dependent launch (kernels/pdl.py); +nostep runs an AR token's conv and recurrence as "
-                        "two launches (fla's), not one (kernels/triton_conv_gates.py), and +tiled (+notiled) runs it "
-                        "as one launch for heads too large for one program too (or not); +nowhole runs "
+                        "two launches (fla's), not one (kernels/triton_conv_gates.py); +nowhole runs "
                         "a narrow target's AR token as per-op launches, not one persistent launch "
                         "(kernels/triton_decode_step.py), +whole runs it at any width, and +pN with N programs; "
                         "+noverify verifies chains with per-op launches, not one persistent launch "
@@ -204,14 +203,13 @@ def main(argv: list[str] | None = None) -> int:
         texts = read_prompts(args.speed_prompts, args.speed_limit)
         result["speed"] = {"prompt_file": str(args.speed_prompts), "prompts": len(texts), "new_tokens": args.tokens}
     args.out.mkdir(parents=True, exist_ok=True)
-    step_max_state, tiled_step, greedy = graph_ops.FUSED_STEP_MAX_STATE, graph_ops.TILED_STEP, graph_ops.GREEDY_KERNEL
+    step_max_state, greedy = graph_ops.FUSED_STEP_MAX_STATE, graph_ops.GREEDY_KERNEL
     whole_max_hidden = whole_step.WHOLE_STEP_MAX_HIDDEN
     swap_min_bytes = projection.SWAP_MIN_BYTES
     for name in args.ops.split(","):
         ops, *flags = name.split("+")
         pdl.use_pdl("nopdl" not in flags)
         graph_ops.FUSED_STEP_MAX_STATE = 0 if "nostep" in flags else step_max_state
-        graph_ops.TILED_STEP = ("tiled" in flags or tiled_step and "notiled" not in flags) and "nostep" not in flags
         graph_ops.GREEDY_KERNEL = greedy and "nogreedy" not in flags
         whole_step.WHOLE_STEP_MAX_HIDDEN = (0 if "nowhole" in flags else 1 << 30 if "whole" in flags
                                             else whole_max_hidden)
@@ -230,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             pdl.use_pdl(True)
             graph_ops.FUSED_STEP_MAX_STATE = step_max_state
-            graph_ops.TILED_STEP, graph_ops.GREEDY_KERNEL = tiled_step, greedy
+            graph_ops.GREEDY_KERNEL = greedy
             whole_step.WHOLE_STEP_MAX_HIDDEN, whole_step.WHOLE_STEP_PROGRAMS = whole_max_hidden, None
             whole_step.WHOLE_VERIFY = draft_step.PERSISTENT_DRAFT = whole_step.FUSED_ACCEPT = True
             projection.SWAP_MIN_BYTES = swap_min_bytes

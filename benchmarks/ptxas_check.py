@@ -5,9 +5,8 @@ H200 (sm_90), on a machine without a GPU:
 
 Each launch of `FusedLiLiCorrHead.draft` is recorded instead of run and compiled by Triton
 for sm_90 (`--kernels verify`: the verification's state kernels instead, the parallel form
-and the persistent verify step with each way of folding a pending commit, and the AR
-token's tiled conv + recurrence). The ptxas that ships with Triton assembles its PTX and reports the registers a
-thread uses and the bytes it spills; Triton's cuobjdump lists the machine code. The head
+and the persistent verify step). The ptxas that ships with Triton assembles its PTX and
+reports the registers a thread uses and the bytes it spills; Triton's cuobjdump lists the machine code. The head
 program's H200 times have tracked these counts (benchmarks/results/h200/README.md, sessions
 5 and 6), so a change can be checked here before it costs device time.
 """
@@ -132,9 +131,9 @@ def head_launches(fields: dict, top_k: int, slots: int = SLOTS, vocab: int = 320
 
 
 def verify_launches(pending: int = 8) -> list[tuple[str, tuple]]:
-    """(case, launch) for the state kernels of a verification and an AR token, at the
-    GDN-1.3B head shape (8 x 256 x 256) and the embedded model's (6 x 64 x 64)."""
-    from kernels import triton_conv_gates, triton_verify, triton_verify_step
+    """(case, launch) for the state kernels of a verification, at the GDN-1.3B head shape
+    (8 x 256 x 256) and the embedded model's (6 x 64 x 64)."""
+    from kernels import triton_verify, triton_verify_step
     from benchmarks.bench_verify_step import accept_buffers
     from tests.test_decode_step import SHAPES as STEP_SHAPES, random_weights
 
@@ -158,15 +157,6 @@ def verify_launches(pending: int = 8) -> list[tuple[str, tuple]]:
     launch = recorded_launches(lambda: verify(*args, accept=accept_buffers(n, pending, "cpu")),
                                ["_chain_verify_kernel"], triton_verify_step)[0]
     out.append((f"embedded N={n} P={pending} accept", launch))
-    H, K = 8, 256
-    C = 3 * H * K
-    row = z(1, 1, C + 2 * H, dtype=torch.bfloat16)
-    launch = recorded_launches(lambda: triton_conv_gates.conv_recurrent_step(
-        row[..., :C], z(1, C, 4, dtype=torch.bfloat16), z(C, 4, dtype=torch.bfloat16), z(C, dtype=torch.bfloat16),
-        row[..., C:C + H], row[..., C + H:], z(H), z(H), z(1, H, K, K), K, K, tiled=True),
-        ["_conv_recurrent_tile_kernel"], triton_conv_gates)[0]
-    kernel, call_args, kwargs = launch
-    out.append(("K=V=256 tiled, PDL", (kernel, call_args, dict(kwargs, PDL=True))))
     return out
 
 

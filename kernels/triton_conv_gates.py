@@ -20,8 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
-
 
 @triton.jit
 def _node_conv(x, x_row_stride, window, window_stride, weight, bias, rows, in_window, o_w, w_mask,
@@ -242,65 +240,14 @@ def _conv_recurrent_step_kernel(x, cache, cache_stride, weight, bias, a, b, neg_
     _shift_head_window(cache, cache_stride, x, h, H, K, V, W, BK, BV, BW)
 
 
-@triton.jit
-def _conv_recurrent_tile_kernel(x, cache, cache_stride, weight, bias, a, b, neg_A, dt_bias, S, o, arrivals, scale,
-                                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
-                                BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
-                                HAS_BIAS: tl.constexpr, NEG_EIGVAL: tl.constexpr, PDL: tl.constexpr = False):
-    """One (V tile, head) of a large head: the head's q, k and gates (every V tile of the head
-    recomputes them: two K-wide convs), the delta-rule step on its [K, BV] state tile, and
-    the shift of its own v channels. The head's q and k windows are read by all its tiles, so
-    the last tile to arrive on `arrivals[h]` shifts them, once every tile has read them, and
-    re-arms the counter (the result does not depend on which tile is last).
-
-    PDL: dependents may launch at once; nothing is read before the previous kernel is done
-    (the state too: with every kernel signalling early, the one that last wrote it is not
-    known to be finished)."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-    i_v = tl.program_id(0)
-    h = tl.program_id(1)
-    window = cache + 1
-    q, k, decay, beta = _head_queries_and_gates(x, window, cache_stride, weight, bias, a, b, neg_A, dt_bias,
-                                                h, scale, H, K, W, BK, BW, HAS_BIAS, NEG_EIGVAL)
-    _state_tile_step(x, window, cache_stride, weight, bias, S, o, q, k, decay, beta, h, i_v * BV,
-                     H, K, V, W, BK, BV, BW, HAS_BIAS)
-    o_w = tl.arange(0, BW)
-    w_mask = o_w < W
-    o_v = i_v * BV + tl.arange(0, BV)
-    tl.debug_barrier()          # every thread's conv reads are done before the shifts below
-    _shift_window(cache, cache_stride, x, 2 * H * K + h * V + o_v, o_v < V, o_w, w_mask, W)
-    arrived = tl.atomic_add(arrivals + h, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) - 1:
-        o_k = tl.arange(0, BK)
-        _shift_window(cache, cache_stride, x, h * K + o_k, o_k < K, o_w, w_mask, W)
-        _shift_window(cache, cache_stride, x, H * K + h * K + o_k, o_k < K, o_w, w_mask, W)
-        tl.store(arrivals + h, 0)       # the next launch is stream-ordered after this one
-
-
-TILE_BLOCK_V = 16        # the tiled step's V columns a program
-_ARRIVALS: dict[tuple, torch.Tensor] = {}
-
-
-def _arrivals(device: torch.device, heads: int) -> torch.Tensor:
-    """One arrival counter a head, made once a (device, heads) and kept for good: a captured
-    CUDA graph holds its address, and every launch leaves it at zero."""
-    key = (device, heads)
-    if key not in _ARRIVALS:
-        _ARRIVALS[key] = torch.zeros(heads, device=device, dtype=torch.int32)
-    return _ARRIVALS[key]
-
-
 def conv_recurrent_step(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         a: torch.Tensor, b: torch.Tensor, neg_A: torch.Tensor, dt_bias: torch.Tensor,
                         S: torch.Tensor, head_dim: int, head_v_dim: int, neg_eigval: bool = False,
-                        block_v: int | None = None, tiled: bool = False) -> torch.Tensor:
+                        block_v: int | None = None) -> torch.Tensor:
     """`conv_recurrent_step_ref` in one launch, S and cache updated in place: x [1,1,C] and
     a, b [1,1,H] may be column slices of one projection row; cache [1,C,W] contiguous; S
-    [1,H,K,V] fp32 contiguous. Returns o [1,1,H,V] fp32. One program a head, whose state
-    must fit a few register tiles, or (`tiled`, for large heads) one a V tile of `block_v`
-    columns, launched with programmatic dependent launch where it applies."""
+    [1,H,K,V] fp32 contiguous. Returns o [1,1,H,V] fp32. One program a head: meant for small
+    heads (a launch-bound step), where a head's state is a few register tiles."""
     C, W = cache.shape[1], cache.shape[2]
     H, K, V = a.shape[-1], head_dim, head_v_dim
     if x.shape != (1, 1, C) or C != H * (2 * K + V) or weight.shape != (C, W):
@@ -312,13 +259,6 @@ def conv_recurrent_step(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tens
         raise ValueError("conv_recurrent_step: the cache must be contiguous and x's channels contiguous")
     o = torch.empty(1, 1, H, V, device=x.device, dtype=torch.float32)
     BK = triton.next_power_of_2(K)
-    if tiled:
-        BV = min(triton.next_power_of_2(V), block_v or TILE_BLOCK_V)
-        _conv_recurrent_tile_kernel[(triton.cdiv(V, BV), H)](
-            x, cache, cache.stride(1), weight.contiguous(), bias, a, b, neg_A, dt_bias, S, o,
-            _arrivals(x.device, H), K ** -0.5, H=H, K=K, V=V, W=W, BK=BK, BV=BV, BW=triton.next_power_of_2(W),
-            HAS_BIAS=bias is not None, NEG_EIGVAL=neg_eigval, num_warps=4, **launch_options(x.device))
-        return o
     BV = block_v or min(triton.next_power_of_2(V), max(16, 4096 // BK))    # <= 4096 state values a tile
     _conv_recurrent_step_kernel[(H,)](
         x, cache, cache.stride(1), weight.contiguous(), bias, a, b, neg_A, dt_bias, S, o, K ** -0.5,

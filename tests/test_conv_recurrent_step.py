@@ -1,8 +1,7 @@
-"""The one-launch AR step of a layer from its conv inputs to its recurrence output
-(kernels/triton_conv_gates.py: `conv_recurrent_step`, one program a head or, tiled, one a V
-tile) against `conv_recurrent_step_ref`: the output, the state and the shifted conv cache.
-On the GPU here; on the CPU through Triton's interpreter, in tests/test_kernels.py's "step"
-group."""
+"""The one-launch AR step of a small-headed layer (kernels/triton_conv_gates.py:
+`conv_recurrent_step`) against `conv_recurrent_step_ref`: the output, the state and the
+shifted conv cache. On the GPU here; on the CPU through Triton's interpreter, in
+tests/test_kernels.py's "step" group."""
 from __future__ import annotations
 
 import os
@@ -15,12 +14,10 @@ from tests.test_kernels import RTOL, needs_cuda, rel_err
 
 
 def check_conv_recurrent_step(H: int, K: int, V: int, W: int, dtype, bias: bool, neg_eigval: bool,
-                              device, seed: int = 0, block_v: int | None = None, steps: int = 3,
-                              tiled: bool = False) -> list[str]:
+                              device, seed: int = 0, block_v: int | None = None, steps: int = 3) -> list[str]:
     """`steps` tokens in a row through the kernel and the reference, x, a and b column slices
     of one projection row as the runtime passes them; the kernel's state and cache carry over
-    between tokens, so a wrong shift or a stale read shows in the later outputs (tiled: a q or
-    k window shifted before every V tile read it, or twice)."""
+    between tokens, so a wrong shift or a stale read shows in the later outputs."""
     from kernels.triton_conv_gates import conv_recurrent_step
     gen = torch.Generator().manual_seed(seed)
     C = H * (2 * K + V)
@@ -36,7 +33,7 @@ def check_conv_recurrent_step(H: int, K: int, V: int, W: int, dtype, bias: bool,
         proj = torch.randn(1, 1, C + 2 * H + 5, generator=gen).to(device=device, dtype=dtype)
         x, a, b = proj[..., :C], proj[..., C + 1:C + 1 + H], proj[..., C + 1 + H:C + 1 + 2 * H]
         o = conv_recurrent_step(x, cache, weight, conv_b, a, b, neg_A, dt_bias, S, K, V, neg_eigval,
-                                block_v=block_v, tiled=tiled)
+                                block_v=block_v)
         o_ref, S_ref, cache_ref = reference.conv_recurrent_step_ref(
             *(t.cpu() if torch.is_tensor(t) else t for t in (x, cache_ref, weight, conv_b, a, b, neg_A, dt_bias,
                                                              S_ref, K, V, neg_eigval)))
@@ -57,22 +54,9 @@ def check_conv_recurrent_step(H: int, K: int, V: int, W: int, dtype, bias: bool,
     (6, 64, 64, 4, False, False, None),      # the embedded model's heads
     (4, 128, 256, 4, True, True, None),      # V in tiles of 32
     (2, 16, 32, 3, False, False, 16),
-    (8, 256, 256, 4, False, False, None)])   # the 1.3B shape's, one program a head
+    (8, 256, 256, 4, False, False, None)])   # the 1.3B shape's: the kernel takes it, the engine does not
 def test_conv_recurrent_step_matches_reference(H, K, V, W, bias, neg_eigval, block_v, dtype):
-    assert not check_conv_recurrent_step(H, K, V, W, dtype, bias, neg_eigval, "cuda", seed=H + K, block_v=block_v,
-                                         tiled=False)
-
-
-@needs_cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("H,K,V,W,bias,neg_eigval,block_v", [
-    (8, 256, 256, 4, False, False, None),    # the 1.3B shape's heads (ops.TILED_STEP)
-    (8, 256, 256, 4, True, True, 32),
-    (6, 64, 64, 4, False, False, 16)])
-def test_tiled_conv_recurrent_step_matches_reference(H, K, V, W, bias, neg_eigval, block_v, dtype):
-    """Five tokens in a row: the state and the cache carry over between launches."""
-    assert not check_conv_recurrent_step(H, K, V, W, dtype, bias, neg_eigval, "cuda", seed=H + K + 1,
-                                         block_v=block_v, tiled=True, steps=5)
+    assert not check_conv_recurrent_step(H, K, V, W, dtype, bias, neg_eigval, "cuda", seed=H + K, block_v=block_v)
 
 
 def test_conv_recurrent_step_rejects_bad_shapes():

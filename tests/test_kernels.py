@@ -749,10 +749,9 @@ def interpreter_cases(group: str):
         from tests.test_conv_recurrent_step import check_conv_recurrent_step
         for H, K, V, W, bias, neg, bv in ((2, 16, 32, 4, False, False, 16), (3, 16, 16, 3, True, True, None)):
             for dtype in (torch.float32, torch.bfloat16):
-                for tiled in (False, True):
-                    yield (f"conv_recurrent_step-H{H}-K{K}-V{V}-W{W}-BV{bv}-{dtype}-tiled={tiled}",
-                           lambda a=(H, K, V, W, dtype, bias, neg), bv=bv, tiled=tiled: check_conv_recurrent_step(
-                               *a, dev, seed=a[0], block_v=bv, tiled=tiled))
+                yield (f"conv_recurrent_step-H{H}-K{K}-V{V}-W{W}-BV{bv}-{dtype}",
+                       lambda a=(H, K, V, W, dtype, bias, neg), bv=bv: check_conv_recurrent_step(
+                           *a, dev, seed=a[0], block_v=bv))
         from tests.test_greedy import check_greedy_take     # the AR step's greedy token
         for vocab, chunk in ((5000, 1024), (300, 128), (100, 2048)):
             yield f"greedy_take-V{vocab}-chunk{chunk}", lambda v=vocab, c=chunk: check_greedy_take(v, c, dev, seed=v)

@@ -23,17 +23,14 @@ def test_ptxas_check_reports_the_head_launches():
 
 
 def test_ptxas_check_compiles_the_state_kernels_without_spills():
-    """The verification's parallel form and the AR token's tiled conv + recurrence at the
-    GDN-1.3B head shape fit sm_90's registers; the persistent verify step is recorded (not
-    compiled here: its compile is the slow one)."""
+    """The verification's parallel form at the GDN-1.3B head shape fits sm_90's registers; the
+    persistent verify step is recorded (not compiled here: its compile is the slow one)."""
     pytest.importorskip("triton")
     from benchmarks import ptxas_check
     launches = ptxas_check.verify_launches()
     assert sum(launch[0].__name__ == "_chain_verify_kernel" for _, launch in launches) == 1
-    for case, launch in launches:
-        if case.startswith("K=256") or "tiled" in case:
-            r = ptxas_check.launch_report(launch)
-            assert r["instructions"] > 100 and r["registers"] <= 255 and r["spill_stores"] == 0, (case, r)
-    # launched with PDL, the tiled step signals its dependents and waits for the kernel before it
-    kernel, args, kwargs = next(launch for case, launch in launches if "tiled" in case)
-    assert ptxas_check.compile_sm90(kernel, args, kwargs).asm["ptx"].count("griddepcontrol") == 2
+    big = [launch for case, launch in launches if case.startswith("K=256")]
+    assert big, [case for case, _ in launches]
+    for launch in big:
+        r = ptxas_check.launch_report(launch)
+        assert r["instructions"] > 100 and r["registers"] <= 255 and r["spill_stores"] == 0, r

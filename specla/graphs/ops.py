@@ -166,13 +166,12 @@ class TorchOps:
                                    v.unflatten(-1, (H, config.head_v_dim)), a, b, S, layer, config)
 
 
-# Heads up to this many state values (K x V) take the one-launch AR step with one program a
-# head, which holds its state in a few register tiles. Larger heads (the GDN-1.3B shape's
-# 256 x 256) take it with one program a V tile where TILED_STEP is on, else fla's conv and
-# recurrence kernels. Off: at the 1.3B shape it took 149.3 us a step against their 146.2, in
-# 24 launches against 48 (H100, benchmarks/results/h100/session25/; launch_counts.py +tiled).
+# Heads up to this many state values (K x V) take the one-launch AR step: one program a head
+# then holds its state in a few register tiles. The GDN-1.3B shape's 256 x 256 heads keep
+# fla's kernels, whose grid spreads a head's V columns over many programs. A step with one
+# program a (V tile, head), the last tile of a head shifting its conv window, took 149.3 us
+# a step against their 146.2 (H100, benchmarks/results/h100/session25/) and was dropped.
 FUSED_STEP_MAX_STATE = 128 * 128
-TILED_STEP = False
 # The AR step's greedy token in one launch (kernels/triton_greedy.py), not torch's argmax and
 # two more launches to store it (launch_counts.py +nogreedy times them against each other).
 GREEDY_KERNEL = True
@@ -239,16 +238,14 @@ class FlaOps(TorchOps):
         return y
 
     def conv_recurrent_step(self, x, cache, a, b, S, layer: PackedLayer, config: GDNConfig, index1):
-        """The conv, the gates and the recurrence in one launch
-        (`kernels.triton_conv_gates.conv_recurrent_step`), against fla's two: one program a
-        head, or for large heads one a V tile (`TILED_STEP`)."""
-        tiled = config.head_dim * config.head_v_dim > FUSED_STEP_MAX_STATE
-        if tiled and not TILED_STEP:
+        """Small heads (a launch-bound step): the conv, the gates and the recurrence in one
+        launch (`kernels.triton_conv_gates.conv_recurrent_step`), against fla's two."""
+        if config.head_dim * config.head_v_dim > FUSED_STEP_MAX_STATE:
             return super().conv_recurrent_step(x, cache, a, b, S, layer, config, index1)
         from kernels.triton_conv_gates import conv_recurrent_step
 
         return conv_recurrent_step(x, cache, layer.conv_w, layer.conv_b, a, b, layer.neg_A, layer.dt_bias,
-                                   S, config.head_dim, config.head_v_dim, config.allow_neg_eigval, tiled=tiled)
+                                   S, config.head_dim, config.head_v_dim, config.allow_neg_eigval)
 
     def greedy_take(self, logits, next_token, out, count):
         if not (GREEDY_KERNEL and self.greedy_kernel):
