@@ -607,7 +607,8 @@ class Bench:
         weight GB/s beside the time, to read against the copy rate."""
         from kernels import triton_projection as tp
         variants = [{}, {"packed": False}, {"block_k": 512}, {"block_k": 1024}, {"block_n": 4}, {"block_n": 16},
-                    {"split_k": 1}, *({"block_n": n, "block_k": 256, "split_k": 8} for n in (16, 32))]
+                    {"split_k": 1}, *({"block_n": n, "block_k": 256, "split_k": 8} for n in (8, 16, 32)),
+                    {"block_n": 16, "block_k": 512, "split_k": 4}, {"block_n": 8, "block_k": 512, "split_k": 4}]
         for model, config in projection_models().items():
             if models and model not in models:
                 continue

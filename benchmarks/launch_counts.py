@@ -184,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(kernels/triton_chain_accept.py); +noswap runs the projections of 3-16 rows of a large "
                         "narrow matrix on cuBLAS, not fused in the swapped tl.dot form (kernels/triton_projection.py); "
                         "+nogreedy takes a per-op AR step's greedy token with torch's argmax, not in one launch "
-                        "(kernels/triton_greedy.py)")
+                        "(kernels/triton_greedy.py); +fewN.K.S gives the GEMV projections whose column blocks "
+                        "do not fill the GPU N columns, K wide blocks and S split-K slices "
+                        "(FEW_BLOCKS_TILING in kernels/triton_projection.py)")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
     p.add_argument("--speed-limit", type=int, default=8)
     p.add_argument("--tokens", type=int, default=128)
@@ -205,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     step_max_state, greedy = graph_ops.FUSED_STEP_MAX_STATE, graph_ops.GREEDY_KERNEL
     whole_max_hidden = whole_step.WHOLE_STEP_MAX_HIDDEN
-    swap_min_bytes = projection.SWAP_MIN_BYTES
+    swap_min_bytes, few_blocks = projection.SWAP_MIN_BYTES, projection.FEW_BLOCKS_TILING
     for name in args.ops.split(","):
         ops, *flags = name.split("+")
         pdl.use_pdl("nopdl" not in flags)
@@ -218,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         draft_step.PERSISTENT_DRAFT = "nodraft" not in flags
         whole_step.FUSED_ACCEPT = "noaccept" not in flags
         projection.SWAP_MIN_BYTES = None if "noswap" in flags else swap_min_bytes
+        projection.FEW_BLOCKS_TILING = next((tuple(int(n) for n in f[3:].split(".")) for f in flags
+                                             if f.startswith("few")), few_blocks)
         try:
             variant, engine = count_bodies(runtime, ops, args)
             variant["pdl"] = pdl.pdl_applies(runtime.device)
@@ -231,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             graph_ops.GREEDY_KERNEL = greedy
             whole_step.WHOLE_STEP_MAX_HIDDEN, whole_step.WHOLE_STEP_PROGRAMS = whole_max_hidden, None
             whole_step.WHOLE_VERIFY = draft_step.PERSISTENT_DRAFT = whole_step.FUSED_ACCEPT = True
-            projection.SWAP_MIN_BYTES = swap_min_bytes
+            projection.SWAP_MIN_BYTES, projection.FEW_BLOCKS_TILING = swap_min_bytes, few_blocks
         result["variants"][name] = variant
         (args.out / "launch_counts.json").write_text(json.dumps(result, indent=1))   # kept if a later set fails
     return 0

@@ -68,6 +68,9 @@ SWAP_MAX_COLUMNS = 4096
 # buffers num_stages - 1 pairs of weight and input tiles (ptxas-free check: a 4-stage
 # [64, 256] fp32 tile with 16 input rows asked for 240 KB + a few for barriers)
 SWAP_SHARED_BYTES = 192 << 10
+# (block_n, block_k, split_k) of the GEMV form where the column blocks alone do not fill the
+# GPU (the 1.3B shape's out and down projections); None: `_tiling`'s rule
+FEW_BLOCKS_TILING: tuple[int, int, int] | None = None
 
 
 def swaps(M: int, N: int, weight_bytes: int) -> bool:
@@ -377,6 +380,11 @@ def _tiling(M: int, N: int, K: int, elem: int, head: int, sms: int, gemv: bool |
     bk = block_k or max(head, 16, min(kpow, 1024 // elem if gemv else min(512 // elem, 4096 // bm)))
     bn = block_n or (max(4, 8 // bm) if gemv else 16)
     if gemv and block_k is None and triton.cdiv(N, bn) < 2 * sms:
+        if FEW_BLOCKS_TILING is not None and block_n is None and split_k is None:
+            bn, bk, split = FEW_BLOCKS_TILING
+            bk = max(head, bk)
+            return Tiling(True, bn, bk, _split_parts(K, bk, split)[0], num_warps or _gemv_warps(bk, elem),
+                          num_stages, packed is not False)
         # few column blocks (the 1.3B shape's out and down projections): 2 KB of a weight row
         # a tile, then split K. The H200 sweep of session 13: 5.8 and 9.9 us a layer against
         # 7.6 and 14.1 with 1 KB tiles (benchmarks/results/h200/session13/)

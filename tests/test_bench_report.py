@@ -317,3 +317,24 @@ def test_pair_rows_pick_and_order_the_named_rows():
     assert [name for name, _ in picked] == ["ngram/chain-6", "block/preset-15", "block/chain", "block/best-first-10"]
     with pytest.raises(ValueError, match="matches no row; the rows are block/chain"):
         chosen_rows(rows, "eagle/*")
+
+
+def test_gemv_best_picks_the_fastest_tiling_over_both_few_block_projections():
+    """The flag of the tiling fastest over the out and down projections together (one
+    projection's winner alone does not count), nothing when the rule's defaults win, and an
+    error when a projection was not timed."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from gemv_best import best_few_blocks
+
+    def row(proj, us, **tiling):
+        return {"name": "gemv", "model": "gdn-1.3b", "projection": proj, "M": 1, "us": {"median": us}, **tiling}
+    out, down = "out (gated norm)", "mlp down (swiglu)"
+    rows = [row(out, 6.0, default={}), row(down, 12.0, default={}),
+            row(out, 4.0, block_n=16, block_k=256, split_k=8), row(down, 11.0, block_n=16, block_k=256, split_k=8),
+            row(out, 3.0, block_n=8, block_k=256, split_k=8), row(down, 16.0, block_n=8, block_k=256, split_k=8),
+            row(out, 1.0, block_n=16, packed=False)]
+    best, totals = best_few_blocks(rows)
+    assert best == (16, 256, 8) and totals["default"] == 18.0
+    assert best_few_blocks(rows[:2] + rows[4:6])[0] is None
+    with pytest.raises(ValueError):
+        best_few_blocks(rows[:1])

@@ -127,6 +127,21 @@ def test_several_rows_of_a_large_narrow_matrix_default_to_the_swapped_form():
     assert not tp._tiling(9, 8208, 2048, 2, 0, 132).swap
 
 
+def test_few_blocks_tiling_sets_the_gemv_default_where_column_blocks_do_not_fill_the_gpu(monkeypatch):
+    """FEW_BLOCKS_TILING (block_n, block_k, split_k) replaces the rule for a row of the
+    1.3B shape's out and down projections only: whole heads stay whole, the wide in
+    projection, the dot forms and a caller's own keywords keep theirs."""
+    from kernels import triton_projection as tp
+    rule_out, rule_in = tp._tiling(1, 2048, 2048, 2, 256, 132), tp._tiling(1, 8208, 2048, 2, 0, 132)
+    monkeypatch.setattr(tp, "FEW_BLOCKS_TILING", (16, 128, 8))
+    out, down = tp._tiling(1, 2048, 2048, 2, 256, 132), tp._tiling(1, 2048, 5632, 2, 0, 132)
+    assert (out.block_n, out.block_k, out.split_k) == (16, 256, 8) and out.gemv
+    assert (down.block_n, down.block_k) == (16, 128) and down.split_k == 8
+    assert out != rule_out and tp._tiling(1, 8208, 2048, 2, 0, 132) == rule_in
+    assert tp._tiling(9, 2048, 2048, 2, 256, 132).swap
+    assert tp._tiling(1, 2048, 2048, 2, 256, 132, split_k=1) != out
+
+
 def test_small_matrices_default_to_few_round_trips_and_large_ones_to_bandwidth():
     """The embedded model's projections are latency-bound: their default tiling has no
     split-K for a row (the whole of K in one block up to 1024 columns), no split for a wide

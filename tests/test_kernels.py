@@ -260,7 +260,8 @@ def projection_test_tilings(M: int) -> list[dict]:
     if M <= 2:
         tilings += [{"gemv": True, "split_k": 1}, {"gemv": True, "split_k": 4, "block_n": 4},
                     {"gemv": True, "block_k": 256, "block_n": 8 // M, "split_k": 2},
-                    {"gemv": True, "block_k": 256, "packed": False, "split_k": 1}]
+                    {"gemv": True, "block_k": 256, "packed": False, "split_k": 1},
+                    {"gemv": True, "block_k": 256, "block_n": 16, "split_k": 8}]
     return tilings
 
 
