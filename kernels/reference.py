@@ -313,6 +313,21 @@ def norm_linear_ref(x: torch.Tensor, norm_w: torch.Tensor, eps: float, residual:
     return torch.nn.functional.linear(h, w), summed
 
 
+def norm_linear_conv_ref(x: torch.Tensor, norm_w: torch.Tensor, eps: float, residual: torch.Tensor | None,
+                         w: torch.Tensor, cache: torch.Tensor, conv_w: torch.Tensor,
+                         conv_b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, x + residual, the new cache) for one token x [1, 1, K]: y = `norm_linear_ref`'s
+    output with its first C columns (conv_w [C, W]) replaced by their conv step against
+    cache [1, C, W] (the last W inputs, newest last), which shifts by one with them newest:
+    `triton_projection.norm_linear_conv`."""
+    y, summed = norm_linear_ref(x, norm_w, eps, residual, w)
+    C, W = conv_w.shape
+    index = torch.arange(W, device=x.device).view(1, W)
+    conv = tree_conv_ref(y[..., :C], cache[..., 1:], index, conv_w, conv_b)
+    new_cache = torch.cat([cache[..., 1:], y[..., :C].transpose(1, 2).to(cache.dtype)], dim=-1)
+    return torch.cat([conv, y[..., C:]], dim=-1), summed, new_cache
+
+
 def gated_norm_linear_ref(o: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor, eps: float,
                           activation: str, w: torch.Tensor) -> torch.Tensor:
     """o [..., H, V] normed per head times act(gate [..., H*V]), projected by w [N, H*V]."""

@@ -265,16 +265,38 @@ def _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl.
 
 
 @triton.jit
+def _conv_epilogue(y_row, cols, mask, cache, cache_stride, conv_w, conv_b,
+                   W: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr):
+    """One AR token's causal conv on a block of projection outputs y_row [1, BN] (already
+    rounded to the output dtype): each column's cache row (the last W inputs, newest last)
+    shifts by one with y newest, and the result is silu(window . conv_w + conv_b) in fp32,
+    the arithmetic of fla's conv update (fp32 sum, one rounding by the caller)."""
+    x = tl.reshape(y_row, [BN])
+    taps = tl.arange(0, W)[None, :]
+    rows = cache + cols[:, None] * cache_stride
+    older = tl.load(rows + taps + 1, mask=mask[:, None] & (taps + 1 < W), other=0.0)
+    window = tl.where(taps == W - 1, x[:, None].to(older.dtype), older)
+    wt = tl.load(conv_w + cols[:, None] * W + taps, mask=mask[:, None], other=0.0).to(tl.float32)
+    out = tl.sum(window.to(x.dtype).to(tl.float32) * wt, axis=1)
+    if HAS_BIAS:
+        out += tl.load(conv_b + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(rows + taps, window, mask=mask[:, None])
+    return tl.reshape(out * tl.sigmoid(out), [1, BN])
+
+
+@triton.jit
 def _projection_kernel(x, x_stride, res, res_stride, res_out, gate, gate_stride, norm_w, w, y, y_stride,
-                       partials, counters, M, N, K, K_SLICE, eps,
+                       partials, counters, M, N, K, K_SLICE, eps, conv_cache, conv_stride, conv_w, conv_b, C,
                        PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr,
                        DOT: tl.constexpr, GEMV: tl.constexpr, SPLIT: tl.constexpr, HEAD: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False,
-                       VEC: tl.constexpr = 1, SWAP: tl.constexpr = False):
+                       VEC: tl.constexpr = 1, SWAP: tl.constexpr = False, CONV_W: tl.constexpr = 0,
+                       CONV_BIAS: tl.constexpr = False):
     """y[:, BN columns] (or, split, one K slice's share of it) for all M rows.
 
     PDL (the GEMV form only): the first weight tile, which no kernel writes, is read before
-    `gdc_wait`; the inputs, the split-K partials and counters, and every store after it."""
+    `gdc_wait`; the inputs, the split-K partials and counters, and every store after it.
+    CONV_W > 0 (one row, no split): columns below C leave through `_conv_epilogue`."""
     tl.static_assert(GEMV or not PDL, "programmatic dependent launch is for the GEMV form")
     if PDL:
         gdc_launch_dependents()
@@ -298,7 +320,12 @@ def _projection_kernel(x, x_stride, res, res_stride, res_out, gate, gate_stride,
     out_mask = (rows < M)[:, None] & c_mask[None, :]
     y_ptrs = y + rows[:, None] * y_stride + cols[None, :]
     if SPLIT == 1:
-        tl.store(y_ptrs, acc.to(y.dtype.element_ty), mask=out_mask)
+        out = acc.to(y.dtype.element_ty)
+        if CONV_W > 0:
+            conv = _conv_epilogue(out, cols, c_mask & (cols < C), conv_cache, conv_stride, conv_w, conv_b,
+                                  CONV_W, CONV_BIAS, BN)
+            out = tl.where((cols < C)[None, :], conv.to(y.dtype.element_ty), out)
+        tl.store(y_ptrs, out, mask=out_mask)
     else:
         _split_reduce(acc, partials, counters + pid_n, y_ptrs, rows[:, None] * N + cols[None, :], out_mask,
                       pid_s, M * N, SPLIT)
@@ -518,15 +545,16 @@ def _launch(prologue: str, x2: torch.Tensor, w: torch.Tensor, *, res: torch.Tens
             block_k: int | None = None, block_n: int | None = None, num_stages: int | None = None,
             gemv: bool | None = None, split_k: int | None = None, num_warps: int | None = None,
             packed: bool | None = None, swap: bool | None = None,
-            out_dtype: torch.dtype | None = None) -> torch.Tensor:
+            out_dtype: torch.dtype | None = None, conv: tuple | None = None) -> torch.Tensor:
     """y = prologue(x2) @ w.T for x2 [M, K*] and w [N, K], in out_dtype (default w's);
     tiling keywords left None are chosen by `_tiling` (head: the gated norm's head width, 0
-    for the others)."""
+    for the others); conv = (cache [C, W], conv_w [C, W], conv_b [C] or None): the first C
+    columns of one row through an AR token's conv step (split-K off)."""
     M, (N, K) = x2.shape[0], w.shape
     if not w.is_contiguous():
         raise ValueError("the weight must be contiguous [N, K]")
-    t = _tiling(M, N, K, w.element_size(), head, _sm_count(w.device), gemv, block_n, block_k, split_k,
-                num_stages, num_warps, packed, swap)
+    t = _tiling(M, N, K, w.element_size(), head, _sm_count(w.device), gemv, block_n, block_k,
+                1 if conv is not None else split_k, num_stages, num_warps, packed, swap)
     _check(M, head, t)
     BM = triton.next_power_of_2(M) if t.gemv else max(16, triton.next_power_of_2(M))
     split, k_slice = _split_parts(K, t.block_k, t.split_k)
@@ -542,11 +570,21 @@ def _launch(prologue: str, x2: torch.Tensor, w: torch.Tensor, *, res: torch.Tens
         x2, x2.stride(0), res if res is not None else y, res.stride(0) if res is not None else 0,
         res_out if res_out is not None else y, gate if gate is not None else y,
         gate.stride(0) if gate is not None else 0, norm_w if norm_w is not None else y, w, y, y.stride(0),
-        partials, counters, M, N, K, k_slice, eps, PROLOGUE=PROLOGUES[prologue], HAS_RES=res is not None,
+        partials, counters, M, N, K, k_slice, eps, *_conv_args(conv, y), PROLOGUE=PROLOGUES[prologue],
+        HAS_RES=res is not None,
         SWISH=swish, DOT=_dot_mode(w.dtype), GEMV=t.gemv, SPLIT=split, HEAD=max(head, 1),
         BM=BM, BN=t.block_n, BK=t.block_k, VEC=min(t.block_k, 16 // w.element_size()) if t.packed else 1,
-        SWAP=t.swap, **options)
+        SWAP=t.swap, CONV_W=0 if conv is None else conv[0].shape[-1],
+        CONV_BIAS=conv is not None and conv[2] is not None, **options)
     return y
+
+
+def _conv_args(conv: tuple | None, y: torch.Tensor) -> tuple:
+    """The kernel's (cache, cache row stride, conv_w, conv_b, C) for `_launch`'s conv."""
+    if conv is None:
+        return y, 0, y, y, 0
+    cache, conv_w, conv_b = conv
+    return cache, cache.stride(0), conv_w, conv_b if conv_b is not None else conv_w, cache.shape[0]
 
 
 def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, residual: torch.Tensor | None,
@@ -559,6 +597,28 @@ def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, residual: tor
     summed = torch.empty_like(x2) if residual is not None else x2
     y = _launch("norm", x2, w, res=res2, res_out=summed if residual is not None else None,
                 norm_w=norm_w, eps=eps, **blocks)
+    return y.view(*x.shape[:-1], -1), summed.view(x.shape)
+
+
+def norm_linear_conv(x: torch.Tensor, norm_w: torch.Tensor, eps: float, residual: torch.Tensor | None,
+                     w: torch.Tensor, cache: torch.Tensor, conv_w: torch.Tensor, conv_b: torch.Tensor | None,
+                     **blocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm_linear` of one token whose first C output columns (a GDN layer's q | k | v conv
+    inputs) then take their conv step in the same launch: cache [1, C, W] (the last W inputs,
+    newest last) shifts in place, and those columns of the output are silu(conv), as
+    `reference.norm_linear_conv_ref`. Split-K is off (the conv needs a column's whole sum)."""
+    C, W = conv_w.shape
+    if x.numel() != x.shape[-1] or cache.shape[-2:] != (C, W) or cache.stride(-1) != 1 or C > w.shape[0]:
+        raise ValueError(f"norm_linear_conv takes one row and a [1, {C}, {W}] cache with unit last stride, "
+                         f"got x {tuple(x.shape)}, cache {tuple(cache.shape)}")
+    if triton.next_power_of_2(W) != W or cache.dtype != w.dtype or not conv_w.is_contiguous():
+        raise ValueError(f"conv width {W} (a power of two), cache dtype {cache.dtype} (the weights' "
+                         f"{w.dtype}) and a contiguous conv weight")
+    x2 = _rows(x)
+    res2 = _rows(residual) if residual is not None else None
+    summed = torch.empty_like(x2) if residual is not None else x2
+    y = _launch("norm", x2, w, res=res2, res_out=summed if residual is not None else None,
+                norm_w=norm_w, eps=eps, conv=(cache.view(C, W), conv_w, conv_b), **blocks)
     return y.view(*x.shape[:-1], -1), summed.view(x.shape)
 
 

@@ -746,13 +746,19 @@ def interpreter_cases(group: str):
                            lambda p=parents, H=H, K=K, V=V, W=W, dt=dtype, bias=bias: check_conv_gates(
                                p, H, K, V, W, dt, bias, dev, seed=len(p) + H))
         return
-    if group == "step":        # tests/test_conv_recurrent_step.py, tests/test_greedy.py
+    if group == "step":  # tests/test_conv_recurrent_step.py, test_conv_projection.py, test_greedy.py
         from tests.test_conv_recurrent_step import check_conv_recurrent_step
         for H, K, V, W, bias, neg, bv in ((2, 16, 32, 4, False, False, 16), (3, 16, 16, 3, True, True, None)):
             for dtype in (torch.float32, torch.bfloat16):
                 yield (f"conv_recurrent_step-H{H}-K{K}-V{V}-W{W}-BV{bv}-{dtype}",
                        lambda a=(H, K, V, W, dtype, bias, neg), bv=bv: check_conv_recurrent_step(
                            *a, dev, seed=a[0], block_v=bv))
+        from tests.test_conv_projection import check_norm_linear_conv    # the AR conv in the in-projection
+        for K, N, C, W, bias, blocks in ((64, 48, 40, 4, False, {"block_n": 8, "block_k": 32}),
+                                         (96, 40, 24, 2, True, {})):
+            for dtype in (torch.float32, torch.bfloat16):
+                yield (f"norm_linear_conv-K{K}-N{N}-C{C}-W{W}-{dtype}",
+                       lambda a=(K, N, C, W, dtype, bias), b=blocks: check_norm_linear_conv(*a, dev, seed=a[0], **b))
         from tests.test_greedy import check_greedy_take     # the AR step's greedy token
         for vocab, chunk in ((5000, 1024), (300, 128), (100, 2048)):
             yield f"greedy_take-V{vocab}-chunk{chunk}", lambda v=vocab, c=chunk: check_greedy_take(v, c, dev, seed=v)

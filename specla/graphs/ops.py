@@ -146,6 +146,19 @@ class TorchOps:
         cache.copy_(torch.cat([cache[..., 1:], x.transpose(1, 2).to(cache.dtype)], dim=-1))
         return y
 
+    def conv_in_projection(self, config: GDNConfig) -> bool:
+        """Whether the AR step takes its conv inside the input projection (`norm_linear_conv`)."""
+        return False
+
+    def norm_linear_conv(self, x, weight, eps, residual, w, cache, layer: PackedLayer, index1):
+        """`norm_linear` of one token, then the conv step of its first C columns (the q | k | v
+        conv inputs; cache [1,C,W] shifted in place): (y with those columns silu(conv), x +
+        residual)."""
+        y, residual = self.norm_linear(x, weight, eps, residual, w)
+        C = layer.conv_w.shape[0]
+        conv = self.conv_step(y[..., :C], cache, layer.conv_w, layer.conv_b, index1)
+        return torch.cat([conv, y[..., C:]], dim=-1), residual
+
     def recurrent_step(self, q, k, v, a, b, S, layer: PackedLayer, config: GDNConfig):
         """One token of the gated delta rule, S [1,H,K,V] fp32 updated in place with the ops of
         `kernels.reference.gated_delta_step` (so the state equals a factor commit bit for bit)."""
@@ -172,6 +185,10 @@ class TorchOps:
 # program a (V tile, head), the last tile of a head shifting its conv window, took 149.3 us
 # a step against their 146.2 (H100, benchmarks/results/h100/session25/) and was dropped.
 FUSED_STEP_MAX_STATE = 128 * 128
+# Heads past FUSED_STEP_MAX_STATE: the AR step's conv in the input projection's epilogue
+# (kernels/triton_projection.py `norm_linear_conv`), so only the recurrence is left between
+# it and the output projection (launch_counts.py +noconvproj times it against fla's conv).
+CONV_IN_PROJECTION = True
 # The AR step's greedy token in one launch (kernels/triton_greedy.py), not torch's argmax and
 # two more launches to store it (launch_counts.py +nogreedy times them against each other).
 GREEDY_KERNEL = True
@@ -295,6 +312,8 @@ class FusedOps(FlaOps):
         super().__init__()
         from kernels import triton_projection
         self._projection = triton_projection
+        # the AR step's conv in the input projection; off if its self-check fails
+        self.fused_conv_projection = True
 
     def _fits(self, x, w) -> bool:
         rows = x.numel() // x.shape[-1]
@@ -328,6 +347,19 @@ class FusedOps(FlaOps):
         if not self._fits(gate_up, w):
             return super().swiglu_linear(gate_up, w)
         return self._projection.swiglu_linear(gate_up, w)
+
+    def conv_in_projection(self, config: GDNConfig) -> bool:
+        """Heads too large for the one-launch conv + recurrence step: the conv goes into the
+        input projection instead, one launch fewer a layer."""
+        return (CONV_IN_PROJECTION and self.fused_conv_projection
+                and config.head_dim * config.head_v_dim > FUSED_STEP_MAX_STATE)
+
+    def norm_linear_conv(self, x, weight, eps, residual, w, cache, layer: PackedLayer, index1):
+        C, W = layer.conv_w.shape
+        if (not x.is_cuda or x.numel() != x.shape[-1] or cache.dtype != w.dtype or W & (W - 1)
+                or not cache.is_contiguous()):
+            return super().norm_linear_conv(x, weight, eps, residual, w, cache, layer, index1)
+        return self._projection.norm_linear_conv(x, weight, eps, residual, w, cache, layer.conv_w, layer.conv_b)
 
 
 # From this many weights on, rows beyond the GEMV form go to cuBLAS (or, for 3-16 rows of a
@@ -407,6 +439,7 @@ def check_ops(ops: TorchOps, config: GDNConfig, device, dtype, seed: int = 0) ->
           ref.recurrent_step(q, k, v, a, b, S2, layer, config), tol)
     close("recurrent_step state", S1, S2, 1e-4 if dtype == torch.float32 else 2e-3)
     a1, b1, cache3 = rnd(1, 1, H), rnd(1, 1, H), rnd(1, C, W)
+    w_in3 = rnd(C + 2 * H + 8, D, scale=D ** -0.5)
     cache4 = cache3.clone()
     close("conv_recurrent_step", ops.conv_recurrent_step(xin, cache3, a1, b1, S1, layer, config, index1),
           ref.conv_recurrent_step(xin, cache4, a1, b1, S2, layer, config, index1), tol)
@@ -414,6 +447,12 @@ def check_ops(ops: TorchOps, config: GDNConfig, device, dtype, seed: int = 0) ->
     # order) moves that column of the state by beta * one ulp of v: the projections' tolerance
     close("conv_recurrent_step state", S1, S2, tol)
     close("conv_recurrent_step cache", cache3, cache4, tol)
+    if ops.conv_in_projection(config):      # the AR token's input projection with its conv
+        got = ops.norm_linear_conv(x[:, :1], w, config.norm_eps, res[:, :1], w_in3, cache3, layer, index1)
+        want = ref.norm_linear_conv(x[:, :1], w, config.norm_eps, res[:, :1], w_in3, cache4, layer, index1)
+        close("norm_linear_conv", got[0], want[0], tol)
+        close("norm_linear_conv residual", got[1], want[1], tol)
+        close("norm_linear_conv cache", cache3, cache4, tol)
     # the verify forward's conv + gates: 5 nodes of a small tree, projections strided as
     # slices of one matrix product's output
     N, G = 5, 2 * H + 3
@@ -519,10 +558,14 @@ def _checked_ops(name: str, config: GDNConfig, device, dtype) -> tuple[TorchOps,
     if any(f.startswith("greedy_take") for f in probe):
         ops.greedy_kernel = False
         probe = check_ops(ops, config, device, dtype)
+    if any(f.startswith("norm_linear_conv") for f in probe):
+        ops.fused_conv_projection = False
+        probe = check_ops(ops, config, device, dtype)
     if probe:
         raise RuntimeError("; ".join(probe))
     note = ("fla fused kernels" + ("" if ops.inplace_recurrent else " (recurrent state copied back)")
             + ("" if ops.fused_conv_gates else " (conv + gates unfused: its kernel failed its check)")
             + ("" if ops.greedy_kernel else " (greedy token by torch ops: its kernel failed its check)")
+            + ("" if getattr(ops, "fused_conv_projection", True) else " (AR conv unfused: its kernel failed its check)")
             + (" + fused projections (norm, gated norm, SwiGLU inside the projection)" if name == "fused" else ""))
     return ops, note

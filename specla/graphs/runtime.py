@@ -116,9 +116,20 @@ class PackedTarget:
         c, ops = self.config, self.ops
         x, residual = F.embedding(token, self.embed), None
         for l, layer in enumerate(self.layers):
-            y, residual = ops.norm_linear(x, layer.attn_norm, c.norm_eps, residual, layer.w_in)
-            conv_in, gate, a, b = self.split_in(y)
-            o = ops.conv_recurrent_step(conv_in, state.conv[l], a, b, state.recurrent[l], layer, c, self.index1)
+            if ops.conv_in_projection(c):
+                y, residual = ops.norm_linear_conv(x, layer.attn_norm, c.norm_eps, residual, layer.w_in,
+                                                   state.conv[l], layer, self.index1)
+                qkv, gate, a, b = self.split_in(y)
+                q, k, v = qkv.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
+                o = ops.recurrent_step(q.unflatten(-1, (c.num_heads, c.head_dim)),
+                                       k.unflatten(-1, (c.num_heads, c.head_dim)),
+                                       v.unflatten(-1, (c.num_heads, c.head_v_dim)), a, b, state.recurrent[l],
+                                       layer, c)
+            else:
+                y, residual = ops.norm_linear(x, layer.attn_norm, c.norm_eps, residual, layer.w_in)
+                conv_in, gate, a, b = self.split_in(y)
+                o = ops.conv_recurrent_step(conv_in, state.conv[l], a, b, state.recurrent[l], layer, c,
+                                            self.index1)
             x, residual = self.mlp(self.attn_out(o, gate, layer), residual, layer)
         return ops.norm_logits(x, self.norm_w, c.norm_eps, residual, self.lm_head, self.head)
 
