@@ -157,13 +157,14 @@ for stage in "$@"; do
           --out "$R/e2e_oracle_$ops" 2>&1 | tee "$R/log_e2e_oracle_$ops.txt" | grep "\[e2e\]"
       done ;;
     step-ops) # issues #15, #16: the GPU tests of the AR step's kernels (conv + recurrence, the conv in
-      # the in-projection, the greedy token) and the persistent verification, then the 1.3B step per op set in STEP_OPS (launches, kernel time,
+      # the in-projection, the PDL recurrence, the greedy token) and the persistent verification, then the 1.3B step per op set in STEP_OPS (launches, kernel time,
       # AR and the oracle chain of 8 at alpha 0.8 on held-out prompts; launch_counts.py --help lists the
       # +flags); ~450 s on a cold machine
       timeout "${T_STEP_TESTS:-120}" python3 -m pytest -q -p no:cacheprovider tests/test_conv_recurrent_step.py \
-        tests/test_conv_projection.py tests/test_greedy.py tests/test_verify_step.py > "$R/gpu_tests_step.txt" 2>&1; tail -2 "$R/gpu_tests_step.txt"
+        tests/test_conv_projection.py tests/test_recurrent_step.py tests/test_greedy.py tests/test_verify_step.py \
+        > "$R/gpu_tests_step.txt" 2>&1; tail -2 "$R/gpu_tests_step.txt"
       timeout "${T_STEP_COUNTS:-290}" python3 benchmarks/launch_counts.py --out "$R" --model gdn-1.3b-random \
-        --budget 8 --ops ${STEP_OPS:-fused,fused+noconvproj,fla} --speed-prompts data/corpus/heldout_prompts.jsonl \
+        --budget 8 --ops ${STEP_OPS:-fused,fused+norecstep,fused+noconvproj+norecstep,fla} --speed-prompts data/corpus/heldout_prompts.jsonl \
         --speed-limit 4 --tokens 128 2>&1 | tee "$R/log_launch_counts.txt" | grep "^\[" ;;
     speedup) # the model-free drafter beside the trained ones, on both prompt sets (needs data/corpus/*_prompts.jsonl)
       timeout "${T_SPEEDUP:-240}" python3 benchmarks/run_acceptance.py --speedup --device cuda --limit 8 \

@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                         "narrow matrix on cuBLAS, not fused in the swapped tl.dot form (kernels/triton_projection.py); "
                         "+nogreedy takes a per-op AR step's greedy token with torch's argmax, not in one launch "
                         "(kernels/triton_greedy.py); +noconvproj runs a large-headed AR token's conv as fla's "
-                        "kernel, not in the input projection's epilogue (norm_linear_conv); +fewN.K.S gives the GEMV projections whose column blocks "
+                        "kernel, not in the input projection's epilogue (norm_linear_conv); +norecstep runs the per-op AR "
+                        "recurrence as fla's kernel, not ours with PDL (kernels/triton_recurrent_step.py); +fewN.K.S gives the GEMV projections whose column blocks "
                         "do not fill the GPU N columns, K wide blocks and S split-K slices "
                         "(FEW_BLOCKS_TILING in kernels/triton_projection.py)")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         result["speed"] = {"prompt_file": str(args.speed_prompts), "prompts": len(texts), "new_tokens": args.tokens}
     args.out.mkdir(parents=True, exist_ok=True)
     step_max_state, greedy = graph_ops.FUSED_STEP_MAX_STATE, graph_ops.GREEDY_KERNEL
-    conv_in_projection = graph_ops.CONV_IN_PROJECTION
+    conv_in_projection, recurrent_kernel = graph_ops.CONV_IN_PROJECTION, graph_ops.RECURRENT_STEP_KERNEL
     whole_max_hidden = whole_step.WHOLE_STEP_MAX_HIDDEN
     swap_min_bytes, few_blocks = projection.SWAP_MIN_BYTES, projection.FEW_BLOCKS_TILING
     for name in args.ops.split(","):
@@ -216,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         graph_ops.FUSED_STEP_MAX_STATE = 0 if "nostep" in flags else step_max_state
         graph_ops.GREEDY_KERNEL = greedy and "nogreedy" not in flags
         graph_ops.CONV_IN_PROJECTION = conv_in_projection and "noconvproj" not in flags
+        graph_ops.RECURRENT_STEP_KERNEL = recurrent_kernel and "norecstep" not in flags
         whole_step.WHOLE_STEP_MAX_HIDDEN = (0 if "nowhole" in flags else 1 << 30 if "whole" in flags
                                             else whole_max_hidden)
         whole_step.WHOLE_STEP_PROGRAMS = next((int(f[1:]) for f in flags if f[:1] == "p" and f[1:].isdigit()), None)
@@ -236,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             pdl.use_pdl(True)
             graph_ops.FUSED_STEP_MAX_STATE = step_max_state
             graph_ops.GREEDY_KERNEL, graph_ops.CONV_IN_PROJECTION = greedy, conv_in_projection
+            graph_ops.RECURRENT_STEP_KERNEL = recurrent_kernel
             whole_step.WHOLE_STEP_MAX_HIDDEN, whole_step.WHOLE_STEP_PROGRAMS = whole_max_hidden, None
             whole_step.WHOLE_VERIFY = draft_step.PERSISTENT_DRAFT = whole_step.FUSED_ACCEPT = True
             projection.SWAP_MIN_BYTES, projection.FEW_BLOCKS_TILING = swap_min_bytes, few_blocks

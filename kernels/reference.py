@@ -281,6 +281,19 @@ def conv_recurrent_step_ref(x: torch.Tensor, cache: torch.Tensor, weight: torch.
     return o[:, None], S, new_cache
 
 
+def recurrent_step_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                       neg_A: torch.Tensor, dt_bias: torch.Tensor, S: torch.Tensor,
+                       neg_eigval: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One AR token of the recurrence from the conv outputs q, k [1,1,H,K], v [1,1,H,V] and
+    the raw gate projections a, b [1,1,H]: (o [1,1,H,V] in v's dtype, the new fp32 state)."""
+    K = q.shape[-1]
+    qn = l2norm(q.float()) * K ** -0.5
+    g = neg_A * torch.nn.functional.softplus(a.float() + dt_bias)
+    beta = b.float().sigmoid() * (2 if neg_eigval else 1)
+    S, _ = gated_delta_step(S.float(), l2norm(k.float())[:, 0], v.float()[:, 0], g[:, 0], beta[:, 0])
+    return (S * qn[:, 0][..., None]).sum(-2)[:, None].to(v.dtype), S
+
+
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + x), residual + x), the model's arithmetic: the add rounds to x's

@@ -761,6 +761,11 @@ def interpreter_cases(group: str):
             for dtype in (torch.float32, torch.bfloat16):
                 yield (f"norm_linear_conv-K{K}-N{N}-C{C}-W{W}-{dtype}",
                        lambda a=(K, N, C, W, dtype, bias), b=blocks: check_norm_linear_conv(*a, dev, seed=a[0], **b))
+        from tests.test_recurrent_step import check_recurrent_step      # the large-headed recurrence
+        for H, K, V, neg, tile in ((2, 16, 32, False, {"block_v": 8}), (3, 16, 24, True, {"block_v": 16})):
+            for dtype in (torch.float32, torch.bfloat16):
+                yield (f"recurrent_step-H{H}-K{K}-V{V}-{dtype}",
+                       lambda a=(H, K, V, dtype, neg), t=tile: check_recurrent_step(*a, dev, seed=a[0], **t))
         from tests.test_greedy import check_greedy_take     # the AR step's greedy token
         for vocab, chunk in ((5000, 1024), (300, 128), (100, 2048)):
             yield f"greedy_take-V{vocab}-chunk{chunk}", lambda v=vocab, c=chunk: check_greedy_take(v, c, dev, seed=v)

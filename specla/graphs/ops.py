@@ -189,6 +189,9 @@ FUSED_STEP_MAX_STATE = 128 * 128
 # (kernels/triton_projection.py `norm_linear_conv`), so only the recurrence is left between
 # it and the output projection (launch_counts.py +noconvproj times it against fla's conv).
 CONV_IN_PROJECTION = True
+# FusedOps' AR recurrence in kernels/triton_recurrent_step.py (fla's arithmetic, launched with
+# programmatic dependent launch), not fla's kernel (launch_counts.py +norecstep).
+RECURRENT_STEP_KERNEL = True
 # The AR step's greedy token in one launch (kernels/triton_greedy.py), not torch's argmax and
 # two more launches to store it (launch_counts.py +nogreedy times them against each other).
 GREEDY_KERNEL = True
@@ -312,8 +315,9 @@ class FusedOps(FlaOps):
         super().__init__()
         from kernels import triton_projection
         self._projection = triton_projection
-        # the AR step's conv in the input projection; off if its self-check fails
-        self.fused_conv_projection = True
+        # the AR step's conv in the input projection, and its recurrence in this project's
+        # kernel; each off if its self-check fails
+        self.fused_conv_projection = self.recurrent_kernel = True
 
     def _fits(self, x, w) -> bool:
         rows = x.numel() // x.shape[-1]
@@ -347,6 +351,14 @@ class FusedOps(FlaOps):
         if not self._fits(gate_up, w):
             return super().swiglu_linear(gate_up, w)
         return self._projection.swiglu_linear(gate_up, w)
+
+    def recurrent_step(self, q, k, v, a, b, S, layer: PackedLayer, config: GDNConfig):
+        """One token's recurrence in this project's kernel, launched with programmatic
+        dependent launch (`kernels/triton_recurrent_step.py`), where fla's kernel would run."""
+        if not (RECURRENT_STEP_KERNEL and self.recurrent_kernel and q.is_cuda and q.shape[1] == 1):
+            return super().recurrent_step(q, k, v, a, b, S, layer, config)
+        from kernels.triton_recurrent_step import recurrent_step
+        return recurrent_step(q, k, v, a, b, layer.neg_A, layer.dt_bias, S, config.allow_neg_eigval)
 
     def conv_in_projection(self, config: GDNConfig) -> bool:
         """Heads too large for the one-launch conv + recurrence step: the conv goes into the
@@ -549,6 +561,9 @@ def _checked_ops(name: str, config: GDNConfig, device, dtype) -> tuple[TorchOps,
     ops = FusedOps() if name == "fused" else FlaOps()
     # the in-place launch of fla's recurrent kernel must match fla's own wrapper
     probe = check_ops(ops, config, device, dtype)
+    if any(f.startswith("recurrent") for f in probe) and getattr(ops, "recurrent_kernel", False):
+        ops.recurrent_kernel = False
+        probe = check_ops(ops, config, device, dtype)
     if any(f.startswith("recurrent") for f in probe):
         ops.inplace_recurrent = False
         probe = check_ops(ops, config, device, dtype)
@@ -567,5 +582,6 @@ def _checked_ops(name: str, config: GDNConfig, device, dtype) -> tuple[TorchOps,
             + ("" if ops.fused_conv_gates else " (conv + gates unfused: its kernel failed its check)")
             + ("" if ops.greedy_kernel else " (greedy token by torch ops: its kernel failed its check)")
             + ("" if getattr(ops, "fused_conv_projection", True) else " (AR conv unfused: its kernel failed its check)")
+            + ("" if getattr(ops, "recurrent_kernel", True) else " (fla's AR recurrence: ours failed its check)")
             + (" + fused projections (norm, gated norm, SwiGLU inside the projection)" if name == "fused" else ""))
     return ops, note
