@@ -32,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kernels import pdl, triton_projection as projection  # noqa: E402
+from kernels import pdl, triton_projection as projection, triton_recurrent_step as recurrent_step  # noqa: E402
 from specla.graphs import ops as graph_ops  # noqa: E402
 from specla.graphs import draft_step, whole_step  # noqa: E402
 from specla import runner  # noqa: E402
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                         "+nogreedy takes a per-op AR step's greedy token with torch's argmax, not in one launch "
                         "(kernels/triton_greedy.py); +noconvproj runs a large-headed AR token's conv as fla's "
                         "kernel, not in the input projection's epilogue (norm_linear_conv); +norecstep runs the per-op AR "
-                        "recurrence as fla's kernel, not ours with PDL (kernels/triton_recurrent_step.py); +fewN.K.S gives the GEMV projections whose column blocks "
+                        "recurrence as fla's kernel, not ours (kernels/triton_recurrent_step.py), +recoff / +reclaunch sets its PDL_MODE; +fewN.K.S gives the GEMV projections whose column blocks "
                         "do not fill the GPU N columns, K wide blocks and S split-K slices "
                         "(FEW_BLOCKS_TILING in kernels/triton_projection.py)")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
@@ -209,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     step_max_state, greedy = graph_ops.FUSED_STEP_MAX_STATE, graph_ops.GREEDY_KERNEL
     conv_in_projection, recurrent_kernel = graph_ops.CONV_IN_PROJECTION, graph_ops.RECURRENT_STEP_KERNEL
+    recurrent_pdl = recurrent_step.PDL_MODE
     whole_max_hidden = whole_step.WHOLE_STEP_MAX_HIDDEN
     swap_min_bytes, few_blocks = projection.SWAP_MIN_BYTES, projection.FEW_BLOCKS_TILING
     for name in args.ops.split(","):
@@ -218,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         graph_ops.GREEDY_KERNEL = greedy and "nogreedy" not in flags
         graph_ops.CONV_IN_PROJECTION = conv_in_projection and "noconvproj" not in flags
         graph_ops.RECURRENT_STEP_KERNEL = recurrent_kernel and "norecstep" not in flags
+        recurrent_step.PDL_MODE = next((f[3:] for f in flags if f in ("recoff", "reclaunch")), recurrent_pdl)
         whole_step.WHOLE_STEP_MAX_HIDDEN = (0 if "nowhole" in flags else 1 << 30 if "whole" in flags
                                             else whole_max_hidden)
         whole_step.WHOLE_STEP_PROGRAMS = next((int(f[1:]) for f in flags if f[:1] == "p" and f[1:].isdigit()), None)
@@ -238,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             pdl.use_pdl(True)
             graph_ops.FUSED_STEP_MAX_STATE = step_max_state
             graph_ops.GREEDY_KERNEL, graph_ops.CONV_IN_PROJECTION = greedy, conv_in_projection
-            graph_ops.RECURRENT_STEP_KERNEL = recurrent_kernel
+            graph_ops.RECURRENT_STEP_KERNEL, recurrent_step.PDL_MODE = recurrent_kernel, recurrent_pdl
             whole_step.WHOLE_STEP_MAX_HIDDEN, whole_step.WHOLE_STEP_PROGRAMS = whole_max_hidden, None
             whole_step.WHOLE_VERIFY = draft_step.PERSISTENT_DRAFT = whole_step.FUSED_ACCEPT = True
             projection.SWAP_MIN_BYTES, projection.FEW_BLOCKS_TILING = swap_min_bytes, few_blocks

@@ -4,11 +4,11 @@ launch (`kernels/pdl.py`).
 Each program owns one [K, BV] tile of one head's fp32 state: it l2-normalises the head's q
 and k, computes the decay and beta from the raw gate projections, decays the tile, applies
 the delta rule and writes its columns of the output. The arithmetic is fla's fused recurrent
-kernel's; the difference is the launch. Every program signals its dependents at its top, so
-the next kernel (the output projection, whose first weight tile loads before its wait) is
-scheduled while this one runs, and this one is scheduled during the input projection's tail;
-nothing is read before `gdc_wait`, the state included (another kernel of the same graph may
-write it). Reference: `kernels/reference.recurrent_step_ref`.
+kernel's; the difference is the launch (`PDL_MODE`). Every program signals its dependents at
+its top, so the next kernel (the output projection, whose first weight tile loads before its
+wait) is scheduled while this one runs. Launched early itself ("launch"), nothing is read
+before `gdc_wait`, the state included (another kernel of the same graph may write it).
+Reference: `kernels/reference.recurrent_step_ref`.
 """
 from __future__ import annotations
 
@@ -16,16 +16,22 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
+from kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_applies
 from kernels.triton_conv_gates import _l2_normed, _log_decay_and_beta
+
+# How the kernel takes part in programmatic dependent launch: "signal" (launched plainly, so it
+# waits for the input projection as any launch does, but lets the output projection after it
+# be scheduled early), "launch" (also launched early itself), "off".
+PDL_MODE = "signal"
 
 
 @triton.jit
 def _recurrent_step_kernel(q, k, v, a, b, neg_A, dt_bias, S, o, scale,
                            K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                           NEG_EIGVAL: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:
+                           NEG_EIGVAL: tl.constexpr, SIGNAL: tl.constexpr = False, PDL: tl.constexpr = False):
+    if SIGNAL or PDL:
         gdc_launch_dependents()
+    if PDL:
         gdc_wait()
     i_v, h = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BK)
@@ -63,7 +69,8 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.T
     if triton.next_power_of_2(block_v) != block_v:
         raise ValueError(f"recurrent_step: block_v {block_v} must be a power of two")
     o = torch.empty(1, 1, H, V, device=v.device, dtype=v.dtype)
-    options = launch_options(q.device)
+    options = launch_options(q.device) if PDL_MODE == "launch" else {}
+    options["SIGNAL"] = PDL_MODE == "signal" and pdl_applies(q.device)
     _recurrent_step_kernel[(triton.cdiv(V, block_v), H)](
         q, k, v, a, b, neg_A, dt_bias, S, o, K ** -0.5, K=K, V=V, BK=triton.next_power_of_2(K), BV=block_v,
         NEG_EIGVAL=neg_eigval, num_warps=num_warps, **options)
