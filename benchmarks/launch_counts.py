@@ -185,8 +185,9 @@ def main(argv: list[str] | None = None) -> int:
                         "narrow matrix on cuBLAS, not fused in the swapped tl.dot form (kernels/triton_projection.py); "
                         "+nogreedy takes a per-op AR step's greedy token with torch's argmax, not in one launch "
                         "(kernels/triton_greedy.py); +noconvproj runs a large-headed AR token's conv as fla's "
-                        "kernel, not in the input projection's epilogue (norm_linear_conv); +norecstep runs the per-op AR "
-                        "recurrence as fla's kernel, not ours (kernels/triton_recurrent_step.py), +recoff / +reclaunch sets its PDL_MODE; +fewN.K.S gives the GEMV projections whose column blocks "
+                        "kernel, not in the input projection's epilogue (norm_linear_conv); +norecstep runs the "
+                        "per-op AR recurrence as fla's kernel, not ours (kernels/triton_recurrent_step.py), and "
+                        "+recoff / +reclaunch set its PDL_MODE; +fewN.K.S gives the GEMV projections whose column blocks "
                         "do not fill the GPU N columns, K wide blocks and S split-K slices "
                         "(FEW_BLOCKS_TILING in kernels/triton_projection.py)")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
