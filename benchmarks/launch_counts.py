@@ -187,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(kernels/triton_greedy.py); +noconvproj runs a large-headed AR token's conv as fla's "
                         "kernel, not in the input projection's epilogue (norm_linear_conv); +norecstep runs the "
                         "per-op AR recurrence as fla's kernel, not ours (kernels/triton_recurrent_step.py), and "
-                        "+recoff / +reclaunch set its PDL_MODE; +fewN.K.S gives the GEMV projections whose column blocks "
-                        "do not fill the GPU N columns, K wide blocks and S split-K slices "
+                        "+recoff / +reclaunch set its PDL_MODE; +fewN.K.S gives the GEMV projections whose column "
+                        "blocks do not fill the GPU N columns, K wide blocks and S split-K slices "
                         "(FEW_BLOCKS_TILING in kernels/triton_projection.py)")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
     p.add_argument("--speed-limit", type=int, default=8)
