@@ -69,7 +69,9 @@ SWAP_MAX_COLUMNS = 4096
 # [64, 256] fp32 tile with 16 input rows asked for 240 KB + a few for barriers)
 SWAP_SHARED_BYTES = 192 << 10
 # (block_n, block_k, split_k) of the GEMV form where the column blocks alone do not fill the
-# GPU (the 1.3B shape's out and down projections); None: `_tiling`'s rule
+# GPU (the 1.3B shape's out and down projections); None: `_tiling`'s rule. An H100 sweep of six
+# (benchmarks/gemv_best.py) found none better than the rule: 17.79-18.11 us for the two against
+# its 17.94, and AR 1.4105 ms/token with the best against 1.4111 (h100/session26/).
 FEW_BLOCKS_TILING: tuple[int, int, int] | None = None
 
 

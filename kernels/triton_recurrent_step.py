@@ -21,7 +21,10 @@ from kernels.triton_conv_gates import _l2_normed, _log_decay_and_beta
 
 # How the kernel takes part in programmatic dependent launch: "signal" (launched plainly, so it
 # waits for the input projection as any launch does, but lets the output projection after it
-# be scheduled early), "launch" (also launched early itself), "off".
+# be scheduled early), "launch" (also launched early itself), "off". The 1.3B AR step on the
+# H100 (benchmarks/results/h100/session26/): "signal" 1.3558 ms/token, "off" 1.3650, fla's
+# kernel 1.3833 in one run; "launch" 1.4122 against fla's 1.3813 in another (its kernel sum
+# fell 18 us, but its early programs held the SMs the input projection's tail needed).
 PDL_MODE = "signal"
 
 

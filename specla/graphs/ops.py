@@ -187,10 +187,12 @@ class TorchOps:
 FUSED_STEP_MAX_STATE = 128 * 128
 # Heads past FUSED_STEP_MAX_STATE: the AR step's conv in the input projection's epilogue
 # (kernels/triton_projection.py `norm_linear_conv`), so only the recurrence is left between
-# it and the output projection (launch_counts.py +noconvproj times it against fla's conv).
+# it and the output projection (launch_counts.py +noconvproj). 1.3B AR on the H100, one run:
+# 125 launches and 1.3805 ms/token against 149 and 1.4138 (benchmarks/results/h100/session26/).
 CONV_IN_PROJECTION = True
-# FusedOps' AR recurrence in kernels/triton_recurrent_step.py (fla's arithmetic, launched with
-# programmatic dependent launch), not fla's kernel (launch_counts.py +norecstep).
+# FusedOps' AR recurrence in kernels/triton_recurrent_step.py (fla's arithmetic; its PDL_MODE
+# lets the output projection be scheduled during it), not fla's kernel (launch_counts.py
+# +norecstep). 1.3B AR on the H100, one run: 1.3558 ms/token against 1.3833 (session26/).
 RECURRENT_STEP_KERNEL = True
 # The AR step's greedy token in one launch (kernels/triton_greedy.py), not torch's argmax and
 # two more launches to store it (launch_counts.py +nogreedy times them against each other).
