@@ -355,8 +355,8 @@ class FusedOps(FlaOps):
         return self._projection.swiglu_linear(gate_up, w)
 
     def recurrent_step(self, q, k, v, a, b, S, layer: PackedLayer, config: GDNConfig):
-        """One token's recurrence in this project's kernel, launched with programmatic
-        dependent launch (`kernels/triton_recurrent_step.py`), where fla's kernel would run."""
+        """One token's recurrence in this project's kernel (`kernels/triton_recurrent_step.py`,
+        which lets the next kernel be scheduled during it), where fla's kernel would run."""
         if not (RECURRENT_STEP_KERNEL and self.recurrent_kernel and q.is_cuda and q.shape[1] == 1):
             return super().recurrent_step(q, k, v, a, b, S, layer, config)
         from kernels.triton_recurrent_step import recurrent_step
