@@ -182,3 +182,28 @@ def test_auto_ops_fuse_the_projections_up_to_the_measured_widths():
     assert auto_ops_name(PUBLIC_1P3B, "cuda") == "fused"
     assert auto_ops_name(dataclasses.replace(PUBLIC_1P3B, hidden_size=4096), "cuda") == "fla"
     assert auto_ops_name(embedded, "cpu") == auto_ops_name(PUBLIC_1P3B, "cpu") == "torch"
+
+
+def test_a_kernel_that_fails_its_self_check_is_switched_off_alone(monkeypatch):
+    """make_ops' self-check: each failing check turns off only its own kernel (our recurrence
+    before the in-place launch of fla's), the note says so, and a failure no switch clears raises."""
+    from specla.config import PUBLIC_1P3B
+    from specla.graphs import ops as graph_ops
+
+    class Stub:
+        inplace_recurrent = fused_conv_gates = greedy_kernel = True
+        recurrent_kernel = fused_conv_projection = True
+
+    broken = {"recurrent_kernel": "recurrent_step", "greedy_kernel": "greedy_take"}
+
+    def check(ops, *args):
+        return [f"{name}: bad" for switch, name in broken.items() if getattr(ops, switch)]
+    monkeypatch.setattr(graph_ops, "FusedOps", Stub)
+    monkeypatch.setattr(graph_ops, "check_ops", check)
+    ops, note = graph_ops._checked_ops("fused", PUBLIC_1P3B, "cpu", torch.bfloat16)
+    assert (ops.recurrent_kernel, ops.greedy_kernel) == (False, False)
+    assert ops.inplace_recurrent and ops.fused_conv_gates and ops.fused_conv_projection
+    assert "greedy token by torch ops" in note and "fla's AR recurrence" in note
+    broken["fused_conv_gates"] = "swiglu"      # no switch clears it
+    with pytest.raises(RuntimeError, match="swiglu"):
+        graph_ops._checked_ops("fused", PUBLIC_1P3B, "cpu", torch.bfloat16)

@@ -558,26 +558,21 @@ def make_ops(name: str, config: GDNConfig, device, dtype) -> tuple[TorchOps, str
     return TorchOps(), f"torch ops (fla kernels unusable: {why})"
 
 
+# (a failed check's name prefix, the switch that turns its kernel off), tried in this order: our
+# recurrence, then the in-place launch of fla's (which must match fla's own wrapper), ...
+_FALLBACKS = (("recurrent", "recurrent_kernel"), ("recurrent", "inplace_recurrent"),
+              ("conv_gates", "fused_conv_gates"), ("greedy_take", "greedy_kernel"),
+              ("norm_linear_conv", "fused_conv_projection"))
+
+
 def _checked_ops(name: str, config: GDNConfig, device, dtype) -> tuple[TorchOps, str]:
     """FlaOps or FusedOps, checked against TorchOps on random data (raises if it fails)."""
     ops = FusedOps() if name == "fused" else FlaOps()
-    # the in-place launch of fla's recurrent kernel must match fla's own wrapper
     probe = check_ops(ops, config, device, dtype)
-    if any(f.startswith("recurrent") for f in probe) and getattr(ops, "recurrent_kernel", False):
-        ops.recurrent_kernel = False
-        probe = check_ops(ops, config, device, dtype)
-    if any(f.startswith("recurrent") for f in probe):
-        ops.inplace_recurrent = False
-        probe = check_ops(ops, config, device, dtype)
-    if any(f.startswith("conv_gates") for f in probe):
-        ops.fused_conv_gates = False
-        probe = check_ops(ops, config, device, dtype)
-    if any(f.startswith("greedy_take") for f in probe):
-        ops.greedy_kernel = False
-        probe = check_ops(ops, config, device, dtype)
-    if any(f.startswith("norm_linear_conv") for f in probe):
-        ops.fused_conv_projection = False
-        probe = check_ops(ops, config, device, dtype)
+    for prefix, switch in _FALLBACKS:
+        if getattr(ops, switch, False) and any(f.startswith(prefix) for f in probe):
+            setattr(ops, switch, False)
+            probe = check_ops(ops, config, device, dtype)
     if probe:
         raise RuntimeError("; ".join(probe))
     note = ("fla fused kernels" + ("" if ops.inplace_recurrent else " (recurrent state copied back)")
