@@ -187,8 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(kernels/triton_greedy.py); +noconvproj runs a large-headed AR token's conv as fla's "
                         "kernel, not in the input projection's epilogue (norm_linear_conv); +norecstep runs the "
                         "per-op AR recurrence as fla's kernel, not ours (kernels/triton_recurrent_step.py), and "
-                        "+recoff / +reclaunch set its PDL_MODE; +noconvverify runs a verified layer's conv + gates in a launch "
-                        "of its own, not in the parallel form's (kernels/triton_conv_verify.py); +fewN.K.S gives the GEMV projections whose column "
+                        "+recoff / +reclaunch set its PDL_MODE; +fewN.K.S gives the GEMV projections whose column "
                         "blocks do not fill the GPU N columns, K wide blocks and S split-K slices "
                         "(FEW_BLOCKS_TILING in kernels/triton_projection.py)")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
@@ -211,7 +210,6 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     step_max_state, greedy = graph_ops.FUSED_STEP_MAX_STATE, graph_ops.GREEDY_KERNEL
     conv_in_projection, recurrent_kernel = graph_ops.CONV_IN_PROJECTION, graph_ops.RECURRENT_STEP_KERNEL
-    conv_in_verify = graph_ops.CONV_IN_VERIFY
     recurrent_pdl = recurrent_step.PDL_MODE
     whole_max_hidden = whole_step.WHOLE_STEP_MAX_HIDDEN
     swap_min_bytes, few_blocks = projection.SWAP_MIN_BYTES, projection.FEW_BLOCKS_TILING
@@ -222,7 +220,6 @@ def main(argv: list[str] | None = None) -> int:
         graph_ops.GREEDY_KERNEL = greedy and "nogreedy" not in flags
         graph_ops.CONV_IN_PROJECTION = conv_in_projection and "noconvproj" not in flags
         graph_ops.RECURRENT_STEP_KERNEL = recurrent_kernel and "norecstep" not in flags
-        graph_ops.CONV_IN_VERIFY = conv_in_verify and "noconvverify" not in flags
         recurrent_step.PDL_MODE = next((f[3:] for f in flags if f in ("recoff", "reclaunch")), recurrent_pdl)
         whole_step.WHOLE_STEP_MAX_HIDDEN = (0 if "nowhole" in flags else 1 << 30 if "whole" in flags
                                             else whole_max_hidden)
@@ -245,7 +242,6 @@ def main(argv: list[str] | None = None) -> int:
             graph_ops.FUSED_STEP_MAX_STATE = step_max_state
             graph_ops.GREEDY_KERNEL, graph_ops.CONV_IN_PROJECTION = greedy, conv_in_projection
             graph_ops.RECURRENT_STEP_KERNEL, recurrent_step.PDL_MODE = recurrent_kernel, recurrent_pdl
-            graph_ops.CONV_IN_VERIFY = conv_in_verify
             whole_step.WHOLE_STEP_MAX_HIDDEN, whole_step.WHOLE_STEP_PROGRAMS = whole_max_hidden, None
             whole_step.WHOLE_VERIFY = draft_step.PERSISTENT_DRAFT = whole_step.FUSED_ACCEPT = True
             projection.SWAP_MIN_BYTES, projection.FEW_BLOCKS_TILING = swap_min_bytes, few_blocks

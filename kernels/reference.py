@@ -262,25 +262,6 @@ def conv_gates_ref(x: torch.Tensor, window: torch.Tensor, index: torch.Tensor, w
     return q, k, v.unflatten(-1, (H, head_v_dim)), g, beta
 
 
-def conv_verify_ref(x: torch.Tensor, window: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
-                    bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, neg_A: torch.Tensor,
-                    dt_bias: torch.Tensor, S0: torch.Tensor, parents: torch.Tensor, head_dim: int,
-                    head_v_dim: int, neg_eigval: bool = False,
-                    pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
-    """A layer's verification from its input projection's conv inputs: `conv_gates_ref`,
-    then the deferred commit `pending` (k, delta, g) folded into S0 in place, then the
-    parallel form over the draft (parents [N], a chain or a tree).
-
-    Returns (o, delta) [1,N,H,V] and the commit factors k [1,N,H,K], g [1,N,H], all fp32.
-    """
-    q, k, v, g, beta = conv_gates_ref(x, window, index, weight, bias, a, b, neg_A, dt_bias,
-                                      head_dim, head_v_dim, neg_eigval)
-    if pending is not None:
-        S0.copy_(commit_ref(S0, *pending))
-    o, delta = tree_verify_ref(q, k, v, g, beta, S0, parents)
-    return o, delta, k, g
-
-
 def conv_recurrent_step_ref(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                             a: torch.Tensor, b: torch.Tensor, neg_A: torch.Tensor, dt_bias: torch.Tensor,
                             S: torch.Tensor, head_dim: int, head_v_dim: int, neg_eigval: bool = False):

@@ -47,13 +47,12 @@ def _l2_normed(x, scale):
 
 
 @triton.jit
-def _log_decay_and_beta(a, b, neg_A, dt_bias, h, NEG_EIGVAL: tl.constexpr, mask=None):
+def _log_decay_and_beta(a, b, neg_A, dt_bias, h, NEG_EIGVAL: tl.constexpr):
     """Head h's g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b) (x2 with negative
-    eigenvalues), from the raw projections a, b of one row (or of several: a, b blocks of
-    row pointers, `mask` the rows that exist)."""
-    raw_a = tl.load(a + h, mask=mask).to(tl.float32) + tl.load(dt_bias + h).to(tl.float32)
+    eigenvalues), from the raw projections a, b of one row."""
+    raw_a = tl.load(a + h).to(tl.float32) + tl.load(dt_bias + h).to(tl.float32)
     softplus = tl.where(raw_a > 20.0, raw_a, tl.log(1.0 + tl.exp(tl.minimum(raw_a, 20.0))))
-    beta = tl.sigmoid(tl.load(b + h, mask=mask).to(tl.float32))
+    beta = tl.sigmoid(tl.load(b + h).to(tl.float32))
     if NEG_EIGVAL:
         beta = beta * 2.0
     return tl.load(neg_A + h).to(tl.float32) * softplus, beta

@@ -718,15 +718,6 @@ def commit(S: torch.Tensor, k: torch.Tensor, delta: torch.Tensor, g: torch.Tenso
 # Entry point
 # ---------------------------------------------------------------------------------------
 
-def default_form(mode: str, N: int) -> str:
-    """The kernel `verify` runs for `mode` on N nodes when no form is asked for."""
-    if mode == "tree":
-        return "parallel" if N <= PARALLEL_MAX_NODES else "gram_solve"
-    if mode == "chain":
-        return "parallel" if CHAIN_PARALLEL_MIN_NODES <= N <= PARALLEL_MAX_NODES else "walk"
-    return "walk"
-
-
 def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
            beta: torch.Tensor, S0: torch.Tensor, topo,
            pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *,
@@ -770,7 +761,10 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                     or t.device != q.device:
                 raise ValueError(f"out tensors must be contiguous [B, N, H, V] = {(B, N, H, V)} "
                                  f"on {q.device}, delta float32 and o one of {OUT_DTYPES}")
-    form = form or default_form(mode, N)
+    if form is None and mode == "tree":
+        form = "parallel" if N <= PARALLEL_MAX_NODES else "gram_solve"
+    elif form is None and mode == "chain":
+        form = "parallel" if CHAIN_PARALLEL_MIN_NODES <= N <= PARALLEL_MAX_NODES else "walk"
     if form == "parallel" and N > PARALLEL_MAX_NODES:
         raise ValueError(f"the one-launch parallel form takes up to {PARALLEL_MAX_NODES} nodes, not {N}")
     parallel_options = dict(block_k=block_k, num_warps=num_warps, dot_precision=dot_precision)

@@ -747,15 +747,6 @@ def interpreter_cases(group: str):
                     yield (f"conv_gates-{name}{len(parents)}-H{H}-K{K}-V{V}-W{W}-{dtype}",
                            lambda p=parents, H=H, K=K, V=V, W=W, dt=dtype, bias=bias: check_conv_gates(
                                p, H, K, V, W, dt, bias, dev, seed=len(p) + H))
-        from tests.test_conv_verify import check_conv_verify      # and in the verification's launch
-        for parents, H, K, V, W, P, bias in ((chain(9), 2, 32, 32, 4, 3, False),
-                                              (random_tree(7, seed=4), 3, 16, 32, 3, 0, True)):
-            for dtype in (torch.float32, torch.bfloat16):
-                yield (f"conv_verify-N{len(parents)}-H{H}-K{K}-V{V}-W{W}-P{P}-{dtype}",
-                       lambda a=(parents, H, K, V, W, P, dtype, bias): check_conv_verify(*a, dev, seed=a[1]))
-        yield ("conv_verify-no-factors-neg-eigval",
-               lambda: check_conv_verify(chain(6), 2, 16, 16, 4, 2, torch.float32, False, dev, seed=9,
-                                         neg_eigval=True, factors=False))
         return
     if group == "step":  # tests/test_conv_recurrent_step.py, test_conv_projection.py, test_greedy.py
         from tests.test_conv_recurrent_step import check_conv_recurrent_step

@@ -139,11 +139,6 @@ class TorchOps:
             k, g = k_out, g_out
         return q, k, v, g, beta
 
-    def conv_verify_applies(self, mode: str, nodes: int, S: torch.Tensor) -> bool:
-        """Whether `conv_verify` runs a layer's conv + gates and its verification of `nodes`
-        nodes as `mode` in one launch (otherwise `conv_gates`, then the verifier)."""
-        return False
-
     def conv_step(self, x, cache, weight, bias, index1):
         """One token: x [1,1,C]; cache [1,C,W] holds the last W inputs (newest last), updated
         in place."""
@@ -199,10 +194,6 @@ CONV_IN_PROJECTION = True
 # lets the output projection be scheduled during it), not fla's kernel (launch_counts.py
 # +norecstep). 1.3B AR on the H100, one run: 1.3558 ms/token against 1.3833 (session26/).
 RECURRENT_STEP_KERNEL = True
-# Drafts verified by the parallel form (chains of 6-16 nodes, trees of up to 16) take their
-# layer's conv + gates in the verification's launch (kernels/triton_conv_verify.py), not in a
-# launch of their own before it (launch_counts.py +noconvverify).
-CONV_IN_VERIFY = True
 # The AR step's greedy token in one launch (kernels/triton_greedy.py), not torch's argmax and
 # two more launches to store it (launch_counts.py +nogreedy times them against each other).
 GREEDY_KERNEL = True
@@ -231,8 +222,6 @@ class FlaOps(TorchOps):
         self.inplace_recurrent = True
         # the verify forward's conv + gates in one kernel; off if its self-check fails
         self.fused_conv_gates = True
-        # and, for drafts the parallel form verifies, in the verification's launch
-        self.conv_in_verify = CONV_IN_VERIFY
         # the AR step's greedy token in one kernel; off if its self-check fails
         self.greedy_kernel = True
 
@@ -265,25 +254,6 @@ class FlaOps(TorchOps):
         return conv_gates(x, window, index, layer.conv_w, layer.conv_b, a, b, layer.neg_A,
                           layer.dt_bias, config.head_dim, config.head_v_dim, config.allow_neg_eigval,
                           k_out=k_out, g_out=g_out, x_out=x_out)
-
-    def conv_verify_applies(self, mode: str, nodes: int, S: torch.Tensor) -> bool:
-        if not (self.conv_in_verify and self.fused_conv_gates and S.is_cuda):
-            return False
-        from kernels import triton_conv_verify
-        return triton_conv_verify.applies(mode, nodes, S.shape[-2], S.shape[-1])
-
-    def conv_verify(self, mode, x, a, b, window, index, layer: "PackedLayer", config: GDNConfig, S, parents,
-                    pending=None, factors=None, out=None):
-        """`reference.conv_verify_ref` in one launch (`kernels/triton_conv_verify.py`): the
-        conv + gates of x [1,N,C], a, b [1,N,H] and the parallel form's (o, delta) of a chain
-        or a tree (parents [N]) from S, `pending` folded in first. `factors` (k, g, x buffers
-        or None) and `out` ((o, delta) buffers or None) as `conv_gates` and the verifier take them."""
-        from kernels.triton_conv_verify import conv_verify
-
-        k_out, g_out, x_out = factors if factors is not None else (None, None, None)
-        return conv_verify(mode, x, window, index, layer.conv_w, layer.conv_b, a, b, layer.neg_A, layer.dt_bias,
-                           S, parents, config.head_dim, config.head_v_dim, config.allow_neg_eigval, pending,
-                           out=out, k_out=k_out, g_out=g_out, x_out=x_out)
 
     def conv_step(self, x, cache, weight, bias, index1):
         y, _ = self._conv_update(x=x, cache=cache, weight=weight, bias=bias, activation="silu")
@@ -524,35 +494,8 @@ def check_ops(ops: TorchOps, config: GDNConfig, device, dtype, seed: int = 0) ->
         close(f"conv_gates {name}", x1, x2, tol)
     for name, x1, x2 in zip(("k", "g", "x"), *buffers):
         close(f"conv_gates factor {name}", x1, x2, tol)
-    if getattr(ops, "conv_in_verify", False) and ops.conv_verify_applies("tree", N, S1):
-        failures += _check_conv_verify(ops, xs, a5, b5, window, index, layer, config, parents, gen, close, tol)
     failures += _check_greedy_take(ops, ref, device, gen)
     return failures
-
-
-def _check_conv_verify(ops, x, a, b, window, index, layer, config, parents, gen, close, tol) -> list[str]:
-    """`ops.conv_verify` on a small tree with a deferred commit of 2 tokens, against
-    `reference.conv_verify_ref`: outputs, deltas, factors and the folded state, each compared
-    through check_ops' `close` (which records a mismatch); returns the error of a kernel
-    that fails to run."""
-    H, K, Vh, N = config.num_heads, config.head_dim, config.head_v_dim, x.shape[1]
-    dev = x.device
-    S = torch.randn(1, H, K, Vh, generator=gen).to(dev) * 0.1
-    pending = (F.normalize(torch.randn(1, 2, H, K, generator=gen), dim=-1).to(dev),
-               (torch.randn(1, 2, H, Vh, generator=gen) * 0.1).to(dev), (-torch.rand(1, 2, H, generator=gen)).to(dev))
-    tree = torch.tensor(parents, device=dev)
-    mine = (torch.zeros(1, N, H, K, device=dev), torch.zeros(1, N, H, device=dev), torch.zeros_like(x))
-    S_ref = S.clone()
-    try:
-        got = ops.conv_verify("tree", x, a, b, window, index, layer, config, S, tree, pending, mine)
-    except Exception as err:  # noqa: BLE001 - a kernel that does not compile fails its check
-        return [f"conv_verify: {type(err).__name__}: {err}"]
-    o, delta, k, g = reference.conv_verify_ref(x, window, index, layer.conv_w, layer.conv_b, a, b, layer.neg_A,
-                                               layer.dt_bias, S_ref, tree, K, Vh, config.allow_neg_eigval, pending)
-    for name, got_t, want in (("o", got[0], o), ("delta", got[1], delta), ("k", mine[0], k), ("g", mine[1], g),
-                              ("x", mine[2], x), ("state", S, S_ref)):
-        close(f"conv_verify {name}", got_t, want, tol)
-    return []
 
 
 def _check_greedy_take(ops: TorchOps, ref: TorchOps, device, gen: torch.Generator) -> list[str]:
@@ -619,7 +562,7 @@ def make_ops(name: str, config: GDNConfig, device, dtype) -> tuple[TorchOps, str
 # recurrence, then the in-place launch of fla's (which must match fla's own wrapper), ...
 _FALLBACKS = (("recurrent", "recurrent_kernel"), ("recurrent", "inplace_recurrent"),
               ("conv_gates", "fused_conv_gates"), ("greedy_take", "greedy_kernel"),
-              ("norm_linear_conv", "fused_conv_projection"), ("conv_verify", "conv_in_verify"))
+              ("norm_linear_conv", "fused_conv_projection"))
 
 
 def _checked_ops(name: str, config: GDNConfig, device, dtype) -> tuple[TorchOps, str]:
@@ -637,6 +580,5 @@ def _checked_ops(name: str, config: GDNConfig, device, dtype) -> tuple[TorchOps,
             + ("" if ops.greedy_kernel else " (greedy token by torch ops: its kernel failed its check)")
             + ("" if getattr(ops, "fused_conv_projection", True) else " (AR conv unfused: its kernel failed its check)")
             + ("" if getattr(ops, "recurrent_kernel", True) else " (fla's AR recurrence: ours failed its check)")
-            + ("" if ops.conv_in_verify or not CONV_IN_VERIFY else " (conv + gates apart from the verification: its kernel failed its check)")
             + (" + fused projections (norm, gated norm, SwiGLU inside the projection)" if name == "fused" else ""))
     return ops, note

@@ -135,13 +135,10 @@ class PackedTarget:
 
     def tree_forward(self, tokens: torch.Tensor, state: StaticState, conv_index: torch.Tensor,
                      verify_fn: Callable, factors: Factors | None = None,
-                     feature_layers: tuple[int, ...] = (), conv_verify_fn: Callable | None = None):
+                     feature_layers: tuple[int, ...] = ()):
         """All nodes of a draft tree (tokens [1,N], -1 = dummy) from `state`, which only
         `verify_fn(layer, q, k, v, g, beta, S, out)` may write (to fold a pending commit in);
-        `out` is None or the (o, delta) buffers it may fill and return. Where
-        `conv_verify_fn(layer, x, a, b, window, index, packed_layer, factors_out, S, out)`
-        is given and does not return None, it takes the layer's conv + gates and its
-        verification together (`FlaOps.conv_verify`).
+        `out` is None or the (o, delta) buffers it may fill and return.
 
         Returns logits [N, vocab] fp32, last hidden [N, D], features [N, F, D] or None; the
         factors of every node are written into `factors` ([L,1,N,...] buffers).
@@ -155,18 +152,14 @@ class PackedTarget:
                 # has just summed: no separate add
                 feats.append(residual)
             conv_in, gate, a, b = self.split_in(y)
-            window, S = state.conv[l][..., 1:], state.recurrent[l]
-            factors_out = None if factors is None else (factors.k[l], factors.g[l], factors.conv_in[l])
+            out = None if factors is None else (factors.k[l], factors.g[l], factors.conv_in[l])
+            q, k, v, g, beta = ops.conv_gates(conv_in, a, b, state.conv[l][..., 1:], conv_index,
+                                              layer, c, out)
             # the deltas are factors: the kernels write them straight into the commit buffer;
             # the outputs in the model's dtype, the gated norm's input (no conversion launch)
             out = None if factors is None else (torch.empty_like(factors.delta[l], dtype=self.dtype),
                                                 factors.delta[l])
-            fused = None if conv_verify_fn is None else conv_verify_fn(l, conv_in, a, b, window, conv_index,
-                                                                       layer, factors_out, S, out)
-            if fused is None:
-                q, k, v, g, beta = ops.conv_gates(conv_in, a, b, window, conv_index, layer, c, factors_out)
-                fused = verify_fn(l, q, k, v, g, beta, S, out)
-            o, delta = fused
+            o, delta = verify_fn(l, q, k, v, g, beta, state.recurrent[l], out)
             if factors is not None and delta is not factors.delta[l]:
                 factors.delta[l].copy_(delta)
             x, residual = self.mlp(self.attn_out(o, gate, layer), residual, layer)

@@ -406,20 +406,6 @@ class GraphedSpec:
             return torch_tree_verify(q, k, v, g, beta, S, self.topo, pending)
         return verify_layer(self.mode, q, k, v, g, beta, S, self.topo.model_topo, pending=pending, out=out)
 
-    def _conv_verify_layer(self, l, x, a, b, window, index, layer, factors_out, S, out=None):
-        """The layer's conv + gates and verification in one launch where the op set and the
-        draft allow it (`ops.conv_verify_applies`); None where they run apart."""
-        from specla.verify import kernels_apply
-
-        topo = self.topo.model_topo
-        if (self.recurrence == "torch" or not kernels_apply(S) or torch.is_grad_enabled()
-                or not self.rt.ops.conv_verify_applies(self.mode, len(topo.tree), S)):
-            return None
-        st = self.state
-        pending = (st.pk[l], st.pd[l], st.pg[l]) if self.deferred else None
-        return self.rt.ops.conv_verify(self.mode, x, a, b, window, index, layer, self.rt.config, S, topo.parents,
-                                       pending, factors_out, out)
-
     def verify(self) -> None:
         st = self.state
         if self.chain_verify is not None:
@@ -431,8 +417,7 @@ class GraphedSpec:
             return
         self.tokens[0, :1].copy_(self.state.root)
         logits, hidden, feats = self.rt.tree_forward(self.tokens, self.state.cache, self.topo.conv_index,
-                                                     self._verify_layer, self.factors, self.feature_layers,
-                                                     self._conv_verify_layer)
+                                                     self._verify_layer, self.factors, self.feature_layers)
         self.logits.copy_(logits)
         self.last_hidden.copy_(hidden)
         if feats is not None:
