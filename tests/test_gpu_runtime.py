@@ -28,7 +28,7 @@ from specla.bench.measure import FlaAR, build_fla_model
 from specla.graphs.ar import GraphedAR
 from specla.graphs.buckets import comb_tree
 from specla.graphs.decoders import GraphedDecoder
-from specla.graphs.ops import FlaOps, FusedOps, check_ops
+from specla.graphs.ops import FlaOps, FusedOps, auto_ops_name, check_ops
 from specla.graphs.oracle import DeviceOracle, oracle_calibrate, oracle_timed
 from specla.graphs.runtime import PackedTarget
 from specla.graphs.spec import (GraphedSpec, SpecState, SpecTopology, greedy_accept, spec_vs_ar_noise,
@@ -350,7 +350,7 @@ def test_public_1p3b_shape_short():
     """GDN-1.3B public shape, bf16: graphed AR, then graphed chain speculation equals it up to
     near-ties. Kept short (a 32-token prompt, 24 new tokens)."""
     _, rt, ar, snap, prompt = setup("cuda", torch.bfloat16, config=PUBLIC_1P3B, prompt_len=32)
-    assert rt.ops.name == "fla", rt.ops_note
+    assert rt.ops.name == auto_ops_name(rt.config, "cuda"), rt.ops_note
     root, n, tree = prompt[-1], 24, DraftTree.chain([0] * 9)
     cont = ar_tokens(ar, snap, root, n + 40)
     noise = spec_vs_ar_noise(rt, ar, snap, root, cont)
