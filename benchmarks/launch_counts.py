@@ -33,7 +33,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kernels import pdl, triton_projection as projection, triton_recurrent_step as recurrent_step  # noqa: E402
-from kernels import triton_verify  # noqa: E402
 from specla.graphs import ops as graph_ops  # noqa: E402
 from specla.graphs import draft_step, whole_step  # noqa: E402
 from specla import runner  # noqa: E402
@@ -188,8 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(kernels/triton_greedy.py); +noconvproj runs a large-headed AR token's conv as fla's "
                         "kernel, not in the input projection's epilogue (norm_linear_conv); +norecstep runs the "
                         "per-op AR recurrence as fla's kernel, not ours (kernels/triton_recurrent_step.py), and "
-                        "+recoff / +reclaunch set its PDL_MODE; +noswappdl launches the swapped projections plainly and the "
-                        "parallel verification without signalling its dependents (SWAP_PDL, PARALLEL_SIGNAL); +fewN.K.S gives the GEMV projections whose column "
+                        "+recoff / +reclaunch set its PDL_MODE; +fewN.K.S gives the GEMV projections whose column "
                         "blocks do not fill the GPU N columns, K wide blocks and S split-K slices "
                         "(FEW_BLOCKS_TILING in kernels/triton_projection.py)")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
@@ -215,7 +213,6 @@ def main(argv: list[str] | None = None) -> int:
     recurrent_pdl = recurrent_step.PDL_MODE
     whole_max_hidden = whole_step.WHOLE_STEP_MAX_HIDDEN
     swap_min_bytes, few_blocks = projection.SWAP_MIN_BYTES, projection.FEW_BLOCKS_TILING
-    swap_pdl, parallel_signal = projection.SWAP_PDL, triton_verify.PARALLEL_SIGNAL
     for name in args.ops.split(","):
         ops, *flags = name.split("+")
         pdl.use_pdl("nopdl" not in flags)
@@ -231,8 +228,6 @@ def main(argv: list[str] | None = None) -> int:
         draft_step.PERSISTENT_DRAFT = "nodraft" not in flags
         whole_step.FUSED_ACCEPT = "noaccept" not in flags
         projection.SWAP_MIN_BYTES = None if "noswap" in flags else swap_min_bytes
-        projection.SWAP_PDL = swap_pdl and "noswappdl" not in flags
-        triton_verify.PARALLEL_SIGNAL = parallel_signal and "noswappdl" not in flags
         projection.FEW_BLOCKS_TILING = next((tuple(int(n) for n in f[3:].split(".")) for f in flags
                                              if f.startswith("few")), few_blocks)
         try:
@@ -250,7 +245,6 @@ def main(argv: list[str] | None = None) -> int:
             whole_step.WHOLE_STEP_MAX_HIDDEN, whole_step.WHOLE_STEP_PROGRAMS = whole_max_hidden, None
             whole_step.WHOLE_VERIFY = draft_step.PERSISTENT_DRAFT = whole_step.FUSED_ACCEPT = True
             projection.SWAP_MIN_BYTES, projection.FEW_BLOCKS_TILING = swap_min_bytes, few_blocks
-            projection.SWAP_PDL, triton_verify.PARALLEL_SIGNAL = swap_pdl, parallel_signal
         result["variants"][name] = variant
         (args.out / "launch_counts.json").write_text(json.dumps(result, indent=1))   # kept if a later set fails
     return 0

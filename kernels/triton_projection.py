@@ -64,10 +64,6 @@ DEFAULT_SMS = 132          # an H200's, where the device cannot be asked (the in
 SWAP_MIN_BYTES: int | None = LATENCY_BOUND_BYTES
 SWAP_MAX_ROWS = 16
 SWAP_MAX_COLUMNS = 4096
-# The swapped form launched with programmatic dependent launch (kernels/pdl.py): its first weight
-# tile loads while the kernel before it (the verification's parallel form, which signals at its
-# top) still runs (launch_counts.py +noswappdl).
-SWAP_PDL = True
 # shared memory the swapped form's pipeline may take: sm_90 has 227 KB a block, and Triton
 # buffers num_stages - 1 pairs of weight and input tiles (ptxas-free check: a 4-stage
 # [64, 256] fp32 tile with 16 input rows asked for 240 KB + a few for barriers)
@@ -234,18 +230,13 @@ def _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl.
     """[BM, BN] fp32 products over the K columns [k_lo, k_hi) by tl.dot (num_stages
     pipelines the weight loads). WAIT 2: inside a persistent kernel, the first weight tile
     is loaded before the grid barrier `sync` (as `_gemv_slice` does) and each next tile
-    before the current one's product. WAIT 1 (programmatic dependent launch): the first
-    weight tile is loaded before `gdc_wait` and its product taken ahead of the pipelined
-    loop over the rest. SWAP: the products as w @ h.T ([BN, BM], transposed once at the
-    end), so a block of 64 or more weight rows fills the MMA's M side."""
+    before the current one's product. SWAP: the products as w @ h.T ([BN, BM], transposed
+    once at the end), so a block of 64 or more weight rows fills the MMA's M side."""
     rows = tl.arange(0, BM)
     r_mask = rows < M
     offs = tl.arange(0, BK)
-    if WAIT > 0:
-        wb = tl.load(w_rows + k_lo + offs[None, :], mask=c_mask[:, None] & (k_lo + offs < k_hi)[None, :], other=0.0)
-    if WAIT == 1:
-        gdc_wait()
     if WAIT == 2:
+        wb = tl.load(w_rows + k_lo + offs[None, :], mask=c_mask[:, None] & (k_lo + offs < k_hi)[None, :], other=0.0)
         grid_wait(sync[0], sync[1], sync[2])
     rstd = tl.zeros([BM], dtype=tl.float32)
     if PROLOGUE == 0:
@@ -254,16 +245,7 @@ def _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl.
         acc_t = tl.zeros([BN, BM], dtype=tl.float32)
     else:
         acc = tl.zeros([BM, BN], dtype=tl.float32)
-    k_first = k_lo
-    if WAIT == 1:
-        h = _input_block(src, rstd, eps, rows, r_mask, k_lo + offs, k_lo + offs < k_hi, K, write_res, dtype,
-                         PROLOGUE, HAS_RES, SWISH, HEAD, BM, BK)
-        if SWAP:
-            acc_t += _dot_swapped(h, wb, DOT)
-        else:
-            acc += _dot(h, wb, DOT)
-        k_first = k_lo + BK
-    for k0 in range(k_first, k_hi, BK):
+    for k0 in range(k_lo, k_hi, BK):
         ks = k0 + offs
         k_mask = ks < k_hi
         h = _input_block(src, rstd, eps, rows, r_mask, ks, k_mask, K, write_res, dtype,
@@ -314,10 +296,10 @@ def _projection_kernel(x, x_stride, res, res_stride, res_out, gate, gate_stride,
                        CONV_BIAS: tl.constexpr = False):
     """y[:, BN columns] (or, split, one K slice's share of it) for all M rows.
 
-    PDL (the GEMV and swapped forms): the first weight tile, which no kernel writes, is read
-    before `gdc_wait`; the inputs, the split-K partials and counters, and every store after it.
+    PDL (the GEMV form only): the first weight tile, which no kernel writes, is read before
+    `gdc_wait`; the inputs, the split-K partials and counters, and every store after it.
     CONV_W > 0 (one row, no split): columns below C leave through `_conv_epilogue`."""
-    tl.static_assert(GEMV or SWAP or not PDL, "programmatic dependent launch is for the GEMV and swapped forms")
+    tl.static_assert(GEMV or not PDL, "programmatic dependent launch is for the GEMV form")
     if PDL:
         gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -335,8 +317,7 @@ def _projection_kernel(x, x_stride, res, res_stride, res_out, gate, gate_stride,
                           (counters, 0, counters))    # no grid barrier: WAIT is not 2
     else:
         acc = _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, w.dtype.element_ty,
-                         PROLOGUE, HAS_RES, SWISH, HEAD, DOT, BM, BN, BK, 1 if PDL else 0, (counters, 0, counters),
-                         SWAP)
+                         PROLOGUE, HAS_RES, SWISH, HEAD, DOT, BM, BN, BK, 0, (counters, 0, counters), SWAP)
     rows = tl.arange(0, BM)
     out_mask = (rows < M)[:, None] & c_mask[None, :]
     y_ptrs = y + rows[:, None] * y_stride + cols[None, :]
@@ -583,7 +564,7 @@ def _launch(prologue: str, x2: torch.Tensor, w: torch.Tensor, *, res: torch.Tens
     y = torch.empty(M, N, device=x2.device, dtype=out_dtype or w.dtype)
     partials, counters = _scratch(w.device, split, M, N, n_blocks) if split > 1 else (y, y)
     options = {"num_warps": t.num_warps}
-    if t.gemv or (t.swap and SWAP_PDL):      # kernels/pdl.py: the first weight tile loads before the wait
+    if t.gemv:      # kernels/pdl.py: its first weight tile loads before the wait
         options.update(launch_options(w.device))
     if t.num_stages is not None:
         options["num_stages"] = t.num_stages

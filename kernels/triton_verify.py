@@ -31,7 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import gdc_launch_dependents, pdl_applies
 from kernels.reference import heavy_light_chains
 
 MODES = ("chain", "tree", "hybrid")
@@ -54,10 +53,6 @@ MAX_K, MAX_V = 256, 512     # a [K, BV] state tile lives in registers; V is tile
 DOT_PRECISION = "ieee"
 # o may be written rounded to the model's dtype (what the output norm reads); delta is fp32
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# The one-launch parallel form signals its dependents at its top (kernels/pdl.py), so the output
-# projection after it, launched with programmatic dependent launch, loads its first weight
-# tile meanwhile (launch_counts.py +noswappdl turns both off).
-PARALLEL_SIGNAL = True
 # The walk kernels' tile orientation: [BV, K] (sums over K within a warp) or [K, BV]
 WALK_V_FIRST = False
 
@@ -606,12 +601,9 @@ def _parallel_kernel(
     kp, dp, gp, P, N,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    CHAIN: tl.constexpr, HAS_PENDING: tl.constexpr, DOT_PRECISION: tl.constexpr, SIGNAL: tl.constexpr = False,
+    CHAIN: tl.constexpr, HAS_PENDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """The whole parallel form of one (batch, head, V tile) a program (`_parallel_tile`).
-    SIGNAL: launched plainly, it lets the kernel after it be scheduled at once (`kernels/pdl.py`)."""
-    if SIGNAL:
-        gdc_launch_dependents()
+    """The whole parallel form of one (batch, head, V tile) a program (`_parallel_tile`)."""
     _parallel_tile(q, k, v, g, beta, parents, S, o, delta, stride_sb, stride_sh, stride_sk, stride_sv,
                    kp, dp, gp, P, N, tl.program_id(0), tl.program_id(1), H, K, V, BN, BK, BV,
                    CHAIN, HAS_PENDING, DOT_PRECISION)
@@ -636,7 +628,7 @@ def _parallel_verify(q, k, v, g, beta, S0, parents, chain_nodes, pending, o, del
         kp, dp, gp, P, N,
         H=H, K=K, V=V, BN=cfg["BN"], BK=cfg["BK"], BV=cfg["BV"],
         CHAIN=chain_nodes, HAS_PENDING=has_pending, DOT_PRECISION=dot_precision or DOT_PRECISION,
-        SIGNAL=PARALLEL_SIGNAL and pdl_applies(q.device), num_warps=cfg["num_warps"])
+        num_warps=cfg["num_warps"])
 
 
 def _tree_config(N: int, K: int, V: int, block_v: int | None = None) -> dict:
