@@ -568,17 +568,46 @@ def _launch(prologue: str, x2: torch.Tensor, w: torch.Tensor, *, res: torch.Tens
         options.update(launch_options(w.device))
     if t.num_stages is not None:
         options["num_stages"] = t.num_stages
-    _projection_kernel[(n_blocks, split)](
-        x2, x2.stride(0), res if res is not None else y, res.stride(0) if res is not None else 0,
-        res_out if res_out is not None else y, gate if gate is not None else y,
-        gate.stride(0) if gate is not None else 0, norm_w if norm_w is not None else y, w, y, y.stride(0),
-        partials, counters, M, N, K, k_slice, eps, *_conv_args(conv, y), PROLOGUE=PROLOGUES[prologue],
-        HAS_RES=res is not None,
-        SWISH=swish, DOT=_dot_mode(w.dtype), GEMV=t.gemv, SPLIT=split, HEAD=max(head, 1),
-        BM=BM, BN=t.block_n, BK=t.block_k, VEC=min(t.block_k, 16 // w.element_size()) if t.packed else 1,
-        SWAP=t.swap, CONV_W=0 if conv is None else conv[0].shape[-1],
-        CONV_BIAS=conv is not None and conv[2] is not None, **options)
+
+    def launch(**stages) -> None:
+        _projection_kernel[(n_blocks, split)](
+            x2, x2.stride(0), res if res is not None else y, res.stride(0) if res is not None else 0,
+            res_out if res_out is not None else y, gate if gate is not None else y,
+            gate.stride(0) if gate is not None else 0, norm_w if norm_w is not None else y, w, y, y.stride(0),
+            partials, counters, M, N, K, k_slice, eps, *_conv_args(conv, y), PROLOGUE=PROLOGUES[prologue],
+            HAS_RES=res is not None,
+            SWISH=swish, DOT=_dot_mode(w.dtype), GEMV=t.gemv, SPLIT=split, HEAD=max(head, 1),
+            BM=BM, BN=t.block_n, BK=t.block_k, VEC=min(t.block_k, 16 // w.element_size()) if t.packed else 1,
+            SWAP=t.swap, CONV_W=0 if conv is None else conv[0].shape[-1],
+            CONV_BIAS=conv is not None and conv[2] is not None, **options, **stages)
+
+    key = (w.device, prologue, max(head, 1), conv is not None, BM, w.dtype, x2.dtype, out_dtype, t)
+    _launch_fitting(launch, key, options.pop("num_stages", None))
     return y
+
+
+# pipeline depth that fit shared memory, per kernel variant (device, prologue, head, conv, rows, dtypes,
+# tiling) that asked for more
+_FITTED_STAGES: dict[tuple, int] = {}
+
+
+def _launch_fitting(launch, key: tuple, num_stages: int | None) -> None:
+    """launch(num_stages=...) with the tiling's pipeline depth or, where the compiled kernel asks
+    for more shared memory than the GPU has (Triton's OutOfResources, raised before it runs),
+    with one stage fewer at a time: the stage rule only estimates what Triton buffers (an H100
+    refused the swapped form's 4 stages at 17 rows of a 256-wide gated-norm head, 240 KB asked).
+    The depth that fit is kept for the next call of the key, so a CUDA-graph capture after the
+    eager warm-up launches it at once."""
+    stages = _FITTED_STAGES.get(key, num_stages)
+    while True:
+        try:
+            launch(**({} if stages is None else {"num_stages": stages}))
+            return
+        except triton.runtime.errors.OutOfResources:
+            tried = 3 if stages is None else stages        # Triton's default depth on sm_80+
+            if tried <= 1:
+                raise
+            stages = _FITTED_STAGES[key] = tried - 1
 
 
 def _conv_args(conv: tuple | None, y: torch.Tensor) -> tuple:

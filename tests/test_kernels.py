@@ -684,6 +684,40 @@ def test_auto_mode_sends_small_drafts_to_one_launch():
     assert triton_verify.CHAIN_PARALLEL_MIN_NODES <= triton_verify.PARALLEL_MAX_NODES
 
 
+def test_projection_launch_drops_stages_until_shared_memory_fits():
+    """A kernel that asks for more shared memory than the GPU has is launched again with one
+    pipeline stage fewer at a time; the depth that fit is kept for its next call, and a kernel
+    that fits at no depth raises."""
+    from triton.runtime.errors import OutOfResources
+    from kernels import triton_projection as tp
+    asked = []
+
+    def launch(num_stages=None):
+        asked.append(num_stages)
+        if num_stages is None or num_stages > 2:
+            raise OutOfResources(240 << 10, 227 << 10, "shared memory")
+
+    for key in (("test", 4), ("test", None)):
+        tp._FITTED_STAGES.pop(key, None)
+    tp._launch_fitting(launch, ("test", 4), 4)
+    assert asked == [4, 3, 2] and tp._FITTED_STAGES[("test", 4)] == 2
+    asked.clear()
+    tp._launch_fitting(launch, ("test", 4), 4)
+    assert asked == [2]
+    asked.clear()
+    tp._launch_fitting(launch, ("test", None), None)       # Triton's default depth, 3, then 2
+    assert asked == [None, 2]
+
+    def never(num_stages=None):
+        asked.append(num_stages)
+        raise OutOfResources(240 << 10, 227 << 10, "shared memory")
+
+    asked.clear()
+    with pytest.raises(OutOfResources):
+        tp._launch_fitting(never, ("test", "never"), 2)
+    assert asked == [2, 1]
+
+
 def test_bad_inputs_raise():
     pytest.importorskip("triton")
     from kernels import triton_verify
