@@ -13,6 +13,7 @@ program's H200 times have tracked these counts (benchmarks/results/h200/README.m
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import re
 import subprocess
@@ -73,6 +74,9 @@ def compile_sm90(kernel, args: tuple, kwargs: dict):
     options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
     constexprs = {k: v for k, v in kwargs.items() if k not in options}
     names = kernel.arg_names
+    # constexprs the launch left at their defaults (PDL off without a GPU)
+    constexprs.update({p.name: p.default for p in kernel.params[len(args):]
+                       if p.is_constexpr and p.name not in constexprs and p.default is not inspect.Parameter.empty})
     signature, attrs = {}, {}
     for i, (name, value) in enumerate(zip(names, args)):
         if isinstance(value, torch.Tensor):

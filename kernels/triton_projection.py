@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.l2_prefetch import l2_prefetch_share, prefetch_args
 from kernels.pdl import gdc_launch_dependents, gdc_wait, grid_wait, launch_options
 
 PROLOGUES = {"norm": 0, "gated_norm": 1, "swiglu": 2}
@@ -289,21 +290,26 @@ def _conv_epilogue(y_row, cols, mask, cache, cache_stride, conv_w, conv_b,
 @triton.jit
 def _projection_kernel(x, x_stride, res, res_stride, res_out, gate, gate_stride, norm_w, w, y, y_stride,
                        partials, counters, M, N, K, K_SLICE, eps, conv_cache, conv_stride, conv_w, conv_b, C,
+                       pf, pf_bytes,
                        PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr,
                        DOT: tl.constexpr, GEMV: tl.constexpr, SPLIT: tl.constexpr, HEAD: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False,
                        VEC: tl.constexpr = 1, SWAP: tl.constexpr = False, CONV_W: tl.constexpr = 0,
-                       CONV_BIAS: tl.constexpr = False):
+                       CONV_BIAS: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
     """y[:, BN columns] (or, split, one K slice's share of it) for all M rows.
 
     PDL (the GEMV form only): the first weight tile, which no kernel writes, is read before
     `gdc_wait`; the inputs, the split-K partials and counters, and every store after it.
-    CONV_W > 0 (one row, no split): columns below C leave through `_conv_epilogue`."""
+    CONV_W > 0 (one row, no split): columns below C leave through `_conv_epilogue`.
+    PREFETCH 1 / 2: at its start / once its weight loads are issued, each program asks L2 for
+    its share of the pf_bytes at `pf` (the next kernel's weights, `kernels/l2_prefetch.py`)."""
     tl.static_assert(GEMV or not PDL, "programmatic dependent launch is for the GEMV form")
     if PDL:
         gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
+    if PREFETCH == 1:
+        l2_prefetch_share(pf, pf_bytes, pid_n * SPLIT + pid_s, tl.num_programs(0) * SPLIT)
     cols = pid_n * BN + tl.arange(0, BN)
     c_mask = cols < N
     k_lo = pid_s * K_SLICE
@@ -318,6 +324,8 @@ def _projection_kernel(x, x_stride, res, res_stride, res_out, gate, gate_stride,
     else:
         acc = _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, w.dtype.element_ty,
                          PROLOGUE, HAS_RES, SWISH, HEAD, DOT, BM, BN, BK, 0, (counters, 0, counters), SWAP)
+    if PREFETCH == 2:
+        l2_prefetch_share(pf, pf_bytes, pid_n * SPLIT + pid_s, tl.num_programs(0) * SPLIT)
     rows = tl.arange(0, BM)
     out_mask = (rows < M)[:, None] & c_mask[None, :]
     y_ptrs = y + rows[:, None] * y_stride + cols[None, :]
@@ -547,11 +555,13 @@ def _launch(prologue: str, x2: torch.Tensor, w: torch.Tensor, *, res: torch.Tens
             block_k: int | None = None, block_n: int | None = None, num_stages: int | None = None,
             gemv: bool | None = None, split_k: int | None = None, num_warps: int | None = None,
             packed: bool | None = None, swap: bool | None = None,
-            out_dtype: torch.dtype | None = None, conv: tuple | None = None) -> torch.Tensor:
+            out_dtype: torch.dtype | None = None, conv: tuple | None = None,
+            prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """y = prologue(x2) @ w.T for x2 [M, K*] and w [N, K], in out_dtype (default w's);
     tiling keywords left None are chosen by `_tiling` (head: the gated norm's head width, 0
     for the others); conv = (cache [C, W], conv_w [C, W], conv_b [C] or None): the first C
-    columns of one row through an AR token's conv step (split-K off)."""
+    columns of one row through an AR token's conv step (split-K off); prefetch: the next
+    kernel's weights, whose first bytes the programs ask L2 for (`kernels/l2_prefetch.py`)."""
     M, (N, K) = x2.shape[0], w.shape
     if not w.is_contiguous():
         raise ValueError("the weight must be contiguous [N, K]")
@@ -568,20 +578,22 @@ def _launch(prologue: str, x2: torch.Tensor, w: torch.Tensor, *, res: torch.Tens
         options.update(launch_options(w.device))
     if t.num_stages is not None:
         options["num_stages"] = t.num_stages
+    pf, pf_bytes, pf_mode = prefetch_args(prefetch, w.device)
 
     def launch(**stages) -> None:
         _projection_kernel[(n_blocks, split)](
             x2, x2.stride(0), res if res is not None else y, res.stride(0) if res is not None else 0,
             res_out if res_out is not None else y, gate if gate is not None else y,
             gate.stride(0) if gate is not None else 0, norm_w if norm_w is not None else y, w, y, y.stride(0),
-            partials, counters, M, N, K, k_slice, eps, *_conv_args(conv, y), PROLOGUE=PROLOGUES[prologue],
+            partials, counters, M, N, K, k_slice, eps, *_conv_args(conv, y), pf if pf is not None else w, pf_bytes,
+            PROLOGUE=PROLOGUES[prologue], PREFETCH=pf_mode,
             HAS_RES=res is not None,
             SWISH=swish, DOT=_dot_mode(w.dtype), GEMV=t.gemv, SPLIT=split, HEAD=max(head, 1),
             BM=BM, BN=t.block_n, BK=t.block_k, VEC=min(t.block_k, 16 // w.element_size()) if t.packed else 1,
             SWAP=t.swap, CONV_W=0 if conv is None else conv[0].shape[-1],
             CONV_BIAS=conv is not None and conv[2] is not None, **options, **stages)
 
-    key = (w.device, prologue, max(head, 1), conv is not None, BM, w.dtype, x2.dtype, out_dtype, t)
+    key = (w.device, prologue, max(head, 1), conv is not None, BM, w.dtype, x2.dtype, out_dtype, t, pf_mode)
     _launch_fitting(launch, key, options.pop("num_stages", None))
     return y
 

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.l2_prefetch import l2_prefetch_share, prefetch_args
 from kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_applies
 from kernels.triton_conv_gates import _l2_normed, _log_decay_and_beta
 
@@ -29,14 +30,17 @@ PDL_MODE = "signal"
 
 
 @triton.jit
-def _recurrent_step_kernel(q, k, v, a, b, neg_A, dt_bias, S, o, scale,
+def _recurrent_step_kernel(q, k, v, a, b, neg_A, dt_bias, S, o, scale, pf, pf_bytes,
                            K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                           NEG_EIGVAL: tl.constexpr, SIGNAL: tl.constexpr = False, PDL: tl.constexpr = False):
+                           NEG_EIGVAL: tl.constexpr, SIGNAL: tl.constexpr = False, PDL: tl.constexpr = False,
+                           PREFETCH: tl.constexpr = 0):
     if SIGNAL or PDL:
         gdc_launch_dependents()
+    i_v, h = tl.program_id(0), tl.program_id(1)
+    if PREFETCH != 0:   # the step streams no weights: L2 fetches the next kernel's meanwhile
+        l2_prefetch_share(pf, pf_bytes, h * tl.num_programs(0) + i_v, tl.num_programs(0) * tl.num_programs(1))
     if PDL:
         gdc_wait()
-    i_v, h = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BK)
     k_mask = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
@@ -56,11 +60,12 @@ def _recurrent_step_kernel(q, k, v, a, b, neg_A, dt_bias, S, o, scale,
 
 def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                    neg_A: torch.Tensor, dt_bias: torch.Tensor, S: torch.Tensor, neg_eigval: bool = False,
-                   block_v: int = 8, num_warps: int = 1) -> torch.Tensor:
+                   block_v: int = 8, num_warps: int = 1, prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """`recurrent_step_ref` in one launch, S updated in place: q, k [1,1,H,K], v [1,1,H,V]
     (each head's channels contiguous; column slices of one projection row are fine), a, b
     [1,1,H], S [1,H,K,V] fp32 contiguous. Returns o [1,1,H,V] in v's dtype. The default tile
-    (8 columns, one warp) is fla's for this kernel."""
+    (8 columns, one warp) is fla's for this kernel. prefetch: the next kernel's weights, whose
+    first bytes the programs ask L2 for at their start (`kernels/l2_prefetch.py`)."""
     H, K, V = q.shape[-2], q.shape[-1], v.shape[-1]
     if q.shape != (1, 1, H, K) or k.shape != q.shape or v.shape != (1, 1, H, V) or a.shape[-1] != H:
         raise ValueError(f"recurrent_step: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
@@ -74,7 +79,9 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.T
     o = torch.empty(1, 1, H, V, device=v.device, dtype=v.dtype)
     options = launch_options(q.device) if PDL_MODE == "launch" else {}
     options["SIGNAL"] = PDL_MODE == "signal" and pdl_applies(q.device)
+    pf, pf_bytes, options["PREFETCH"] = prefetch_args(prefetch, q.device)
     _recurrent_step_kernel[(triton.cdiv(V, block_v), H)](
-        q, k, v, a, b, neg_A, dt_bias, S, o, K ** -0.5, K=K, V=V, BK=triton.next_power_of_2(K), BV=block_v,
+        q, k, v, a, b, neg_A, dt_bias, S, o, K ** -0.5, S if pf is None else pf, pf_bytes,
+        K=K, V=V, BK=triton.next_power_of_2(K), BV=block_v,
         NEG_EIGVAL=neg_eigval, num_warps=num_warps, **options)
     return o

@@ -96,6 +96,10 @@ class TorchOps:
         LM head product) of the normed rows."""
         return head(self.rms_norm(x, weight, eps, residual)[0])
 
+    def plan_l2_prefetch(self, weights: list[torch.Tensor]) -> None:
+        """The weight matrices in the order a step reads them (FusedOps' kernels prefetch the
+        next one into L2 as they end); plain ops have nothing to do with it."""
+
     def greedy_take(self, logits, next_token, out, count):
         """argmax(logits [1, vocab] fp32) -> next_token [1, 1] and out[count]; count += 1."""
         reference.greedy_take_ref(logits, next_token, out, count)
@@ -194,6 +198,9 @@ CONV_IN_PROJECTION = True
 # lets the output projection be scheduled during it), not fla's kernel (launch_counts.py
 # +norecstep). 1.3B AR on the H100, one run: 1.3558 ms/token against 1.3833 (session26/).
 RECURRENT_STEP_KERNEL = True
+# The AR recurrence asks L2 for its layer's output projection (kernels/l2_prefetch.py, which
+# use_l2_prefetch turns off for every kernel; launch_counts.py +nopf, +pfnorec).
+L2_PREFETCH_IN_RECURRENCE = True
 # The AR step's greedy token in one launch (kernels/triton_greedy.py), not torch's argmax and
 # two more launches to store it (launch_counts.py +nogreedy times them against each other).
 GREEDY_KERNEL = True
@@ -320,6 +327,20 @@ class FusedOps(FlaOps):
         # the AR step's conv in the input projection, and its recurrence in this project's
         # kernel; each off if its self-check fails
         self.fused_conv_projection = self.recurrent_kernel = True
+        self._next_weight: dict[int, torch.Tensor] = {}
+
+    def plan_l2_prefetch(self, weights: list[torch.Tensor]) -> None:
+        """Each fused projection of a matrix in `weights` (the step's order) asks L2 for the
+        next matrix once its own weight loads are issued, where that one is large enough to be
+        streamed from HBM (`kernels/l2_prefetch.py`); the AR recurrence for its layer's output
+        projection."""
+        big = self._projection.LATENCY_BOUND_BYTES
+        self._next_weight = {w.data_ptr(): nxt for w, nxt in zip(weights, weights[1:])
+                             if nxt.numel() * nxt.element_size() >= big}
+
+    def _prefetch(self, w: torch.Tensor) -> dict:
+        nxt = self._next_weight.get(w.data_ptr())
+        return {} if nxt is None else {"prefetch": nxt}
 
     def _fits(self, x, w) -> bool:
         rows = x.numel() // x.shape[-1]
@@ -330,7 +351,7 @@ class FusedOps(FlaOps):
     def norm_linear(self, x, weight, eps, residual, w):
         if not self._fits(x, w):
             return super().norm_linear(x, weight, eps, residual, w)
-        return self._projection.norm_linear(x, weight, eps, residual, w)
+        return self._projection.norm_linear(x, weight, eps, residual, w, **self._prefetch(w))
 
     def norm_logits(self, x, weight, eps, residual, lm_head, head):
         """A latency-bound LM head (a small model's, one row or two) with the final norm in
@@ -347,12 +368,12 @@ class FusedOps(FlaOps):
         V = o.shape[-1]
         if gate is None or not self._fits(gate, w) or V < 16 or V & (V - 1):
             return super().gated_norm_linear(o, gate, weight, eps, activation, w)
-        return self._projection.gated_norm_linear(o, gate, weight, eps, activation, w)
+        return self._projection.gated_norm_linear(o, gate, weight, eps, activation, w, **self._prefetch(w))
 
     def swiglu_linear(self, gate_up, w):
         if not self._fits(gate_up, w):
             return super().swiglu_linear(gate_up, w)
-        return self._projection.swiglu_linear(gate_up, w)
+        return self._projection.swiglu_linear(gate_up, w, **self._prefetch(w))
 
     def recurrent_step(self, q, k, v, a, b, S, layer: PackedLayer, config: GDNConfig):
         """One token's recurrence in this project's kernel (`kernels/triton_recurrent_step.py`,
@@ -360,7 +381,8 @@ class FusedOps(FlaOps):
         if not (RECURRENT_STEP_KERNEL and self.recurrent_kernel and q.is_cuda and q.shape[1] == 1):
             return super().recurrent_step(q, k, v, a, b, S, layer, config)
         from kernels.triton_recurrent_step import recurrent_step
-        return recurrent_step(q, k, v, a, b, layer.neg_A, layer.dt_bias, S, config.allow_neg_eigval)
+        return recurrent_step(q, k, v, a, b, layer.neg_A, layer.dt_bias, S, config.allow_neg_eigval,
+                              **(self._prefetch(layer.w_in) if L2_PREFETCH_IN_RECURRENCE else {}))
 
     def conv_in_projection(self, config: GDNConfig) -> bool:
         """Heads too large for the one-launch conv + recurrence step: the conv goes into the
@@ -373,7 +395,8 @@ class FusedOps(FlaOps):
         if (not x.is_cuda or x.numel() != x.shape[-1] or cache.dtype != w.dtype or W & (W - 1)
                 or not cache.is_contiguous()):
             return super().norm_linear_conv(x, weight, eps, residual, w, cache, layer, index1)
-        return self._projection.norm_linear_conv(x, weight, eps, residual, w, cache, layer.conv_w, layer.conv_b)
+        return self._projection.norm_linear_conv(x, weight, eps, residual, w, cache, layer.conv_w, layer.conv_b,
+                                                 **self._prefetch(w))
 
 
 # From this many weights on, rows beyond the GEMV form go to cuBLAS (or, for 3-16 rows of a

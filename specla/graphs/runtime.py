@@ -58,6 +58,8 @@ class PackedTarget:
             self.embed = target.model.embeddings.weight.detach()
             self.norm_w = target.model.norm.weight.detach()
             self.lm_head = target.lm_head.weight.detach()
+        self.ops.plan_l2_prefetch([w for layer in self.layers for w in (layer.w_in, layer.w_o, layer.w_gate_up,
+                                                                         layer.w_down)] + [self.lm_head])
         G = c.value_dim if c.use_gate else 0
         C = c.conv_channels
         self.splits = (C, G, c.num_heads, c.num_heads)
