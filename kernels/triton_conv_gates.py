@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.l2_prefetch import l2_prefetch_share, prefetch_args
+
 
 @triton.jit
 def _node_conv(x, x_row_stride, window, window_stride, weight, bias, rows, in_window, o_w, w_mask,
@@ -104,10 +106,14 @@ def _conv_gates_node(x, x_row_stride, window, window_stride, index, weight, bias
 @triton.jit
 def _conv_gates_kernel(x, x_row_stride, window, window_stride, index, weight, bias,
                        a, b, ab_row_stride, neg_A, dt_bias,
-                       q_out, k_out, v_out, g_out, beta_out, x_out, C, scale,
+                       q_out, k_out, v_out, g_out, beta_out, x_out, C, scale, pf, pf_bytes,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, NEG_EIGVAL: tl.constexpr, COPY_X: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, NEG_EIGVAL: tl.constexpr, COPY_X: tl.constexpr,
+                       PREFETCH: tl.constexpr = 0):
+    if PREFETCH != 0:   # no weights streamed here: L2 fetches the next kernel's meanwhile
+        l2_prefetch_share(pf, pf_bytes, tl.program_id(1) * tl.num_programs(0) + tl.program_id(0),
+                          tl.num_programs(0) * H)
     _conv_gates_node(x, x_row_stride, window, window_stride, index, weight, bias, a, b, ab_row_stride,
                      neg_A, dt_bias, q_out, k_out, v_out, g_out, beta_out, x_out, C, scale,
                      tl.program_id(0), tl.program_id(1), H, K, V, W, BK, BV, BW, HAS_BIAS, NEG_EIGVAL, COPY_X)
@@ -117,11 +123,12 @@ def conv_gates(x: torch.Tensor, window: torch.Tensor, index: torch.Tensor, weigh
                bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, neg_A: torch.Tensor,
                dt_bias: torch.Tensor, head_dim: int, head_v_dim: int, neg_eigval: bool = False,
                k_out: torch.Tensor | None = None, g_out: torch.Tensor | None = None,
-               x_out: torch.Tensor | None = None):
+               x_out: torch.Tensor | None = None, prefetch: torch.Tensor | None = None):
     """`conv_gates_ref`, in one launch. x [1,N,C] and a, b [1,N,H] may be column slices of
     one projection output (rows strided); window [1,C,W-1] a view of the conv cache. The
     optional outputs receive k [1,N,H,K] and g [1,N,H] (fp32) and a copy of x [1,N,C]: the
-    factors a commit needs. Returns (q, k, v, g, beta) as the reference does."""
+    factors a commit needs. Returns (q, k, v, g, beta) as the reference does. prefetch: the next
+    kernel's weights, whose first bytes the programs ask L2 for (`kernels/l2_prefetch.py`)."""
     _, N, C = x.shape
     H, K, V = a.shape[-1], head_dim, head_v_dim
     W = weight.shape[1]
@@ -143,13 +150,14 @@ def conv_gates(x: torch.Tensor, window: torch.Tensor, index: torch.Tensor, weigh
             raise ValueError(f"conv_gates: {name} must be a contiguous fp32 tensor of shape {shape}")
     if x_out is not None and (tuple(x_out.shape) != (1, N, C) or not x_out.is_contiguous()):
         raise ValueError(f"conv_gates: x_out must be contiguous of shape {(1, N, C)}")
+    pf, pf_bytes, pf_mode = prefetch_args(prefetch, dev)
     _conv_gates_kernel[(N, H)](
         x, x.stride(1), window, window.stride(1), index.contiguous(), weight.contiguous(),
         bias, a, b, a.stride(1), neg_A, dt_bias, q, k, v, g, beta,
-        x_out if x_out is not None else x, C, head_dim ** -0.5,
+        x_out if x_out is not None else x, C, head_dim ** -0.5, x if pf is None else pf, pf_bytes,
         H=H, K=K, V=V, W=W, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V),
         BW=triton.next_power_of_2(W), HAS_BIAS=bias is not None, NEG_EIGVAL=neg_eigval,
-        COPY_X=x_out is not None, num_warps=4 if max(K, V) >= 256 else 2)
+        COPY_X=x_out is not None, PREFETCH=pf_mode, num_warps=4 if max(K, V) >= 256 else 2)
     return q, k, v, g, beta
 
 

@@ -43,8 +43,8 @@ def test_prefetch_args_cap_and_align_the_bytes(monkeypatch):
 
 @compiles
 def test_prefetching_kernels_compile_for_sm90_with_the_bulk_prefetch(monkeypatch):
-    """The GEMV and swapped projections (prefetch at the start and at the end) and the
-    recurrence step, compiled on the CPU for sm_90: each has one bulk prefetch, ptxas takes it,
+    """The GEMV and swapped projections (prefetch at the start and at the end), the
+    recurrence step and the verification's conv + gates, compiled on the CPU for sm_90: each has one bulk prefetch, ptxas takes it,
     nothing spills."""
     pytest.importorskip("triton")
     from benchmarks import ptxas_check
@@ -66,7 +66,14 @@ def test_prefetching_kernels_compile_for_sm90_with_the_bulk_prefetch(monkeypatch
     calls += ptxas_check.recorded_launches(
         lambda: rs.recurrent_step(q, q, q, ab, ab, torch.zeros(2), torch.zeros(2), torch.zeros(1, 2, 64, 64),
                                   prefetch=nxt), ["_recurrent_step_kernel"], rs)
-    assert [kw["PREFETCH"] for _, _, kw in calls] == [1, 2, 2, 2]
+    from kernels import triton_conv_gates as cg
+    from specla.model import Topology
+    xc, ab3 = torch.zeros(1, 3, 2 * 3 * 64, dtype=bf), torch.zeros(1, 3, 2, dtype=bf)
+    calls += ptxas_check.recorded_launches(
+        lambda: cg.conv_gates(xc, torch.zeros(1, 384, 3, dtype=bf), Topology.chain(3, 4, "cpu").conv_index,
+                              torch.zeros(384, 4, dtype=bf), torch.zeros(384, dtype=bf), ab3, ab3, torch.zeros(2), torch.zeros(2), 64, 64,
+                              prefetch=nxt), ["_conv_gates_kernel"], cg)
+    assert [kw["PREFETCH"] for _, _, kw in calls] == [1, 2, 2, 2, 2]
     for kernel, args, kwargs in calls:
         compiled = ptxas_check.compile_sm90(kernel, args, kwargs)
         assert compiled.asm["ptx"].count("cp.async.bulk.prefetch.L2.global") == 1, kernel.__name__
@@ -78,9 +85,11 @@ def test_prefetching_kernels_compile_for_sm90_with_the_bulk_prefetch(monkeypatch
 @pytest.mark.parametrize("at", ["start", "end"])
 def test_prefetching_kernels_give_the_bits_of_plain_ones(at, monkeypatch):
     """At the GDN-1.3B widths: the in-projection's GEMV (with its residual), the 9-row swapped
-    output projection, the split-K down projection and the recurrence step, eagerly and
-    replayed from a CUDA graph, with a 24 MB prefetch each: the same bits as with none."""
-    from kernels import l2_prefetch, triton_projection as tp, triton_recurrent_step as rs
+    output projection, the split-K down projection, the recurrence step and a 9-node conv +
+    gates, eagerly and replayed from a CUDA graph, with a 24 MB prefetch each: the same bits
+    as with none."""
+    from kernels import l2_prefetch, triton_conv_gates as cg, triton_projection as tp, triton_recurrent_step as rs
+    from specla.model import Topology
     device = torch.device("cuda")
     if not l2_prefetch.l2_prefetch_applies(device):
         pytest.skip("the bulk L2 prefetch needs sm_90+")
@@ -95,6 +104,9 @@ def test_prefetching_kernels_give_the_bits_of_plain_ones(at, monkeypatch):
     neg_A, dt_bias = -torch.rand(H, device="cuda"), torch.zeros(H, device="cuda")
     nxt = torch.zeros(12 << 20, device="cuda", dtype=torch.bfloat16)
     S0 = torch.randn(1, H, K, K, generator=gen, device="cuda") * 0.1
+    C = 3 * H * K
+    xc, window, ab9 = rnd(1, 9, C + 2 * H), rnd(1, C, 3), rnd(1, 9, 2 * H)
+    conv_w, index = rnd(C, 4) * 0.5, Topology.chain(9, 4, device).conv_index
     S = S0.clone()
 
     def run(**pf):
@@ -102,7 +114,9 @@ def test_prefetching_kernels_give_the_bits_of_plain_ones(at, monkeypatch):
         return [*tp.norm_linear(x, nw, 1e-6, res, w_in, **pf),
                 tp.gated_norm_linear(o9, g9, onw, 1e-6, "swish", w_o, **pf),
                 tp.swiglu_linear(gu, w_down, **pf),
-                rs.recurrent_step(q, kk, v, ab, ab, neg_A, dt_bias, S, **pf), S.clone()]
+                rs.recurrent_step(q, kk, v, ab, ab, neg_A, dt_bias, S, **pf), S.clone(),
+                *cg.conv_gates(xc[..., :C], window, index, conv_w, None, ab9[..., :H], ab9[..., H:], neg_A,
+                               dt_bias, K, K, **pf)]
 
     assert l2_prefetch.prefetch_args(nxt, device)[2] == (1 if at == "start" else 2)
     want = run()

@@ -100,6 +100,10 @@ class TorchOps:
         """The weight matrices in the order a step reads them (FusedOps' kernels prefetch the
         next one into L2 as they end); plain ops have nothing to do with it."""
 
+    def _prefetch(self, w: torch.Tensor) -> dict:
+        """The keywords that make a kernel ask L2 for the matrix read after `w`: none here."""
+        return {}
+
     def greedy_take(self, logits, next_token, out, count):
         """argmax(logits [1, vocab] fp32) -> next_token [1, 1] and out[count]; count += 1."""
         reference.greedy_take_ref(logits, next_token, out, count)
@@ -260,7 +264,7 @@ class FlaOps(TorchOps):
         k_out, g_out, x_out = out if out is not None else (None, None, None)
         return conv_gates(x, window, index, layer.conv_w, layer.conv_b, a, b, layer.neg_A,
                           layer.dt_bias, config.head_dim, config.head_v_dim, config.allow_neg_eigval,
-                          k_out=k_out, g_out=g_out, x_out=x_out)
+                          k_out=k_out, g_out=g_out, x_out=x_out, **self._prefetch(layer.w_in))
 
     def conv_step(self, x, cache, weight, bias, index1):
         y, _ = self._conv_update(x=x, cache=cache, weight=weight, bias=bias, activation="silu")
@@ -332,8 +336,8 @@ class FusedOps(FlaOps):
     def plan_l2_prefetch(self, weights: list[torch.Tensor]) -> None:
         """Each fused projection of a matrix in `weights` (the step's order) asks L2 for the
         next matrix once its own weight loads are issued, where that one is large enough to be
-        streamed from HBM (`kernels/l2_prefetch.py`); the AR recurrence for its layer's output
-        projection."""
+        streamed from HBM (`kernels/l2_prefetch.py`); the AR recurrence and a verification's
+        conv + gates for their layer's output projection."""
         big = self._projection.LATENCY_BOUND_BYTES
         self._next_weight = {w.data_ptr(): nxt for w, nxt in zip(weights, weights[1:])
                              if nxt.numel() * nxt.element_size() >= big}
