@@ -190,8 +190,9 @@ def main(argv: list[str] | None = None) -> int:
                         "+recoff / +reclaunch set its PDL_MODE; +fewN.K.S gives the GEMV projections whose column "
                         "blocks do not fill the GPU N columns, K wide blocks and S split-K slices "
                         "(FEW_BLOCKS_TILING in kernels/triton_projection.py); +nopf: no kernel prefetches the next "
-                        "weights into L2 (kernels/l2_prefetch.py), +pfnorec: the AR recurrence does not, +pfstart: "
-                        "the projections prefetch at their start, not their end, +pfcapN: at most N MB of a matrix")
+                        "weights into L2 (kernels/l2_prefetch.py), +pfnorec: the AR recurrence and the conv + gates do not, +pfstart: "
+                        "the projections prefetch at their start, not their end, +pfcapN: at most N MB of a matrix, "
+                        "+pfevict: the GEMV projections' weight loads evict-first")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
     p.add_argument("--speed-limit", type=int, default=8)
     p.add_argument("--tokens", type=int, default=128)
@@ -216,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     whole_max_hidden = whole_step.WHOLE_STEP_MAX_HIDDEN
     swap_min_bytes, few_blocks = projection.SWAP_MIN_BYTES, projection.FEW_BLOCKS_TILING
     prefetch_at, prefetch_max = l2_prefetch.AT, l2_prefetch.MAX_BYTES
+    stream_evict = projection.STREAM_EVICT_FIRST
     for name in args.ops.split(","):
         ops, *flags = name.split("+")
         pdl.use_pdl("nopdl" not in flags)
@@ -232,8 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         whole_step.FUSED_ACCEPT = "noaccept" not in flags
         projection.SWAP_MIN_BYTES = None if "noswap" in flags else swap_min_bytes
         l2_prefetch.use_l2_prefetch("nopf" not in flags)
-        graph_ops.L2_PREFETCH_IN_RECURRENCE = "pfnorec" not in flags
+        graph_ops.L2_PREFETCH_IN_STATE_STEPS = "pfnorec" not in flags
         l2_prefetch.AT = "start" if "pfstart" in flags else prefetch_at
+        projection.STREAM_EVICT_FIRST = "pfevict" in flags or stream_evict
         l2_prefetch.MAX_BYTES = next((int(f[5:]) << 20 for f in flags if f.startswith("pfcap")), prefetch_max)
         projection.FEW_BLOCKS_TILING = next((tuple(int(n) for n in f[3:].split(".")) for f in flags
                                              if f.startswith("few")), few_blocks)
@@ -253,8 +256,9 @@ def main(argv: list[str] | None = None) -> int:
             whole_step.WHOLE_VERIFY = draft_step.PERSISTENT_DRAFT = whole_step.FUSED_ACCEPT = True
             projection.SWAP_MIN_BYTES, projection.FEW_BLOCKS_TILING = swap_min_bytes, few_blocks
             l2_prefetch.use_l2_prefetch(True)
-            graph_ops.L2_PREFETCH_IN_RECURRENCE = True
+            graph_ops.L2_PREFETCH_IN_STATE_STEPS = True
             l2_prefetch.AT, l2_prefetch.MAX_BYTES = prefetch_at, prefetch_max
+            projection.STREAM_EVICT_FIRST = stream_evict
         result["variants"][name] = variant
         (args.out / "launch_counts.json").write_text(json.dumps(result, indent=1))   # kept if a later set fails
     return 0

@@ -202,9 +202,10 @@ CONV_IN_PROJECTION = True
 # lets the output projection be scheduled during it), not fla's kernel (launch_counts.py
 # +norecstep). 1.3B AR on the H100, one run: 1.3558 ms/token against 1.3833 (session26/).
 RECURRENT_STEP_KERNEL = True
-# The AR recurrence asks L2 for its layer's output projection (kernels/l2_prefetch.py, which
-# use_l2_prefetch turns off for every kernel; launch_counts.py +nopf, +pfnorec).
-L2_PREFETCH_IN_RECURRENCE = True
+# The AR recurrence and a verification's conv + gates ask L2 for their layer's output projection
+# (kernels/l2_prefetch.py, which use_l2_prefetch turns off for every kernel; launch_counts.py
+# +nopf, +pfnorec).
+L2_PREFETCH_IN_STATE_STEPS = True
 # The AR step's greedy token in one launch (kernels/triton_greedy.py), not torch's argmax and
 # two more launches to store it (launch_counts.py +nogreedy times them against each other).
 GREEDY_KERNEL = True
@@ -264,7 +265,8 @@ class FlaOps(TorchOps):
         k_out, g_out, x_out = out if out is not None else (None, None, None)
         return conv_gates(x, window, index, layer.conv_w, layer.conv_b, a, b, layer.neg_A,
                           layer.dt_bias, config.head_dim, config.head_v_dim, config.allow_neg_eigval,
-                          k_out=k_out, g_out=g_out, x_out=x_out, **self._prefetch(layer.w_in))
+                          k_out=k_out, g_out=g_out, x_out=x_out,
+                          **(self._prefetch(layer.w_in) if L2_PREFETCH_IN_STATE_STEPS else {}))
 
     def conv_step(self, x, cache, weight, bias, index1):
         y, _ = self._conv_update(x=x, cache=cache, weight=weight, bias=bias, activation="silu")
@@ -386,7 +388,7 @@ class FusedOps(FlaOps):
             return super().recurrent_step(q, k, v, a, b, S, layer, config)
         from kernels.triton_recurrent_step import recurrent_step
         return recurrent_step(q, k, v, a, b, layer.neg_A, layer.dt_bias, S, config.allow_neg_eigval,
-                              **(self._prefetch(layer.w_in) if L2_PREFETCH_IN_RECURRENCE else {}))
+                              **(self._prefetch(layer.w_in) if L2_PREFETCH_IN_STATE_STEPS else {}))
 
     def conv_in_projection(self, config: GDNConfig) -> bool:
         """Heads too large for the one-launch conv + recurrence step: the conv goes into the
