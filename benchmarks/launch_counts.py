@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                         "blocks do not fill the GPU N columns, K wide blocks and S split-K slices "
                         "(FEW_BLOCKS_TILING in kernels/triton_projection.py); +nopf: no kernel prefetches the next "
                         "weights into L2 (kernels/l2_prefetch.py), +pfnorec: the AR recurrence and the conv + gates do not, +pfstart: "
-                        "the projections prefetch at their start, not their end, +pfcapN: at most N MB of a matrix, "
+                        "the projections prefetch at their start, not their end, +pfcapN: at most N MB of a matrix from a "
+                        "kernel of one or two rows, +pfrowsN: from a kernel of more rows, "
                         "+pfevict: the GEMV projections' weight loads evict-first")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
     p.add_argument("--speed-limit", type=int, default=8)
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     recurrent_pdl = recurrent_step.PDL_MODE
     whole_max_hidden = whole_step.WHOLE_STEP_MAX_HIDDEN
     swap_min_bytes, few_blocks = projection.SWAP_MIN_BYTES, projection.FEW_BLOCKS_TILING
-    prefetch_at, prefetch_max = l2_prefetch.AT, l2_prefetch.MAX_BYTES
+    prefetch_at, prefetch_max, prefetch_max_rows = l2_prefetch.AT, l2_prefetch.MAX_BYTES, l2_prefetch.MAX_BYTES_ROWS
     stream_evict = projection.STREAM_EVICT_FIRST
     for name in args.ops.split(","):
         ops, *flags = name.split("+")
@@ -238,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         l2_prefetch.AT = "start" if "pfstart" in flags else prefetch_at
         projection.STREAM_EVICT_FIRST = "pfevict" in flags or stream_evict
         l2_prefetch.MAX_BYTES = next((int(f[5:]) << 20 for f in flags if f.startswith("pfcap")), prefetch_max)
+        l2_prefetch.MAX_BYTES_ROWS = next((int(f[6:]) << 20 for f in flags if f.startswith("pfrows")),
+                                          prefetch_max_rows)
         projection.FEW_BLOCKS_TILING = next((tuple(int(n) for n in f[3:].split(".")) for f in flags
                                              if f.startswith("few")), few_blocks)
         try:
@@ -258,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             l2_prefetch.use_l2_prefetch(True)
             graph_ops.L2_PREFETCH_IN_STATE_STEPS = True
             l2_prefetch.AT, l2_prefetch.MAX_BYTES = prefetch_at, prefetch_max
+            l2_prefetch.MAX_BYTES_ROWS = prefetch_max_rows
             projection.STREAM_EVICT_FIRST = stream_evict
         result["variants"][name] = variant
         (args.out / "launch_counts.json").write_text(json.dumps(result, indent=1))   # kept if a later set fails

@@ -31,9 +31,10 @@ CHUNK_BYTES = tl.constexpr(32 << 10)
 # Where a projection issues its share: "end" (once its own weight loads are issued, so the
 # prefetch fills the kernel's drain and the boundary) or "start".
 AT = "end"
-# At most this many bytes of the next matrix are prefetched (its first rows): half of an H100's
-# 50 MB L2, so a prefetch does not evict itself before it is read.
+# At most this many bytes of the next matrix are prefetched (its first rows) by a kernel of one
+# AR row (MAX_BYTES) or of a verification's rows (MAX_BYTES_ROWS).
 MAX_BYTES = 24 << 20
+MAX_BYTES_ROWS = 24 << 20
 
 
 def use_l2_prefetch(enabled: bool) -> None:
@@ -45,12 +46,14 @@ def l2_prefetch_applies(device: torch.device) -> bool:
             and _capability(device) >= 9)
 
 
-def prefetch_args(nxt: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor | None, int, int]:
-    """A kernel's (pointer, bytes, PREFETCH mode) for prefetching `nxt`'s first MAX_BYTES: mode
-    0 (nothing to prefetch, or no bulk prefetch here), 1 at the program's start, 2 at its end."""
+def prefetch_args(nxt: torch.Tensor | None, device: torch.device,
+                  rows: int = 1) -> tuple[torch.Tensor | None, int, int]:
+    """A kernel's (pointer, bytes, PREFETCH mode) for prefetching the first bytes of `nxt` (up to
+    MAX_BYTES for a kernel of one or two rows, MAX_BYTES_ROWS for more): mode 0 (nothing to
+    prefetch, or no bulk prefetch here), 1 at the program's start, 2 at its end."""
     if nxt is None or not l2_prefetch_applies(device):
         return None, 0, 0
-    nbytes = min(nxt.numel() * nxt.element_size(), MAX_BYTES) // 16 * 16
+    nbytes = min(nxt.numel() * nxt.element_size(), MAX_BYTES if rows <= 2 else MAX_BYTES_ROWS) // 16 * 16
     return nxt, nbytes, 1 if AT == "start" else 2
 
 

@@ -150,7 +150,7 @@ def conv_gates(x: torch.Tensor, window: torch.Tensor, index: torch.Tensor, weigh
             raise ValueError(f"conv_gates: {name} must be a contiguous fp32 tensor of shape {shape}")
     if x_out is not None and (tuple(x_out.shape) != (1, N, C) or not x_out.is_contiguous()):
         raise ValueError(f"conv_gates: x_out must be contiguous of shape {(1, N, C)}")
-    pf, pf_bytes, pf_mode = prefetch_args(prefetch, dev)
+    pf, pf_bytes, pf_mode = prefetch_args(prefetch, dev, N)
     _conv_gates_kernel[(N, H)](
         x, x.stride(1), window, window.stride(1), index.contiguous(), weight.contiguous(),
         bias, a, b, a.stride(1), neg_A, dt_bias, q, k, v, g, beta,

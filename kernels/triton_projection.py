@@ -583,7 +583,7 @@ def _launch(prologue: str, x2: torch.Tensor, w: torch.Tensor, *, res: torch.Tens
         options.update(launch_options(w.device))
     if t.num_stages is not None:
         options["num_stages"] = t.num_stages
-    pf, pf_bytes, pf_mode = prefetch_args(prefetch, w.device)
+    pf, pf_bytes, pf_mode = prefetch_args(prefetch, w.device, M)
 
     def launch(**stages) -> None:
         _projection_kernel[(n_blocks, split)](
