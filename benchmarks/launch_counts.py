@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                         "+recoff / +reclaunch set its PDL_MODE; +fewN.K.S gives the GEMV projections whose column "
                         "blocks do not fill the GPU N columns, K wide blocks and S split-K slices "
                         "(FEW_BLOCKS_TILING in kernels/triton_projection.py); +nopf: no kernel prefetches the next "
-                        "weights into L2 (kernels/l2_prefetch.py), +pfnorec: the AR recurrence and the conv + gates do not, +pfstart: "
+                        "weights into L2 (kernels/l2_prefetch.py), +pfnorec / +pfrec: the AR recurrence and the conv + gates do not / do, +pfstart: "
                         "the projections prefetch at their start, not their end, +pfcapN: at most N MB of a matrix from a "
                         "kernel of one or two rows, +pfrowsN: from a kernel of more rows, "
                         "+pfevict: the GEMV projections' weight loads evict-first")
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     whole_max_hidden = whole_step.WHOLE_STEP_MAX_HIDDEN
     swap_min_bytes, few_blocks = projection.SWAP_MIN_BYTES, projection.FEW_BLOCKS_TILING
     prefetch_at, prefetch_max, prefetch_max_rows = l2_prefetch.AT, l2_prefetch.MAX_BYTES, l2_prefetch.MAX_BYTES_ROWS
-    stream_evict = projection.STREAM_EVICT_FIRST
+    stream_evict, prefetch_state = projection.STREAM_EVICT_FIRST, graph_ops.L2_PREFETCH_IN_STATE_STEPS
     for name in args.ops.split(","):
         ops, *flags = name.split("+")
         pdl.use_pdl("nopdl" not in flags)
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         whole_step.FUSED_ACCEPT = "noaccept" not in flags
         projection.SWAP_MIN_BYTES = None if "noswap" in flags else swap_min_bytes
         l2_prefetch.use_l2_prefetch("nopf" not in flags)
-        graph_ops.L2_PREFETCH_IN_STATE_STEPS = "pfnorec" not in flags
+        graph_ops.L2_PREFETCH_IN_STATE_STEPS = ("pfrec" in flags or prefetch_state) and "pfnorec" not in flags
         l2_prefetch.AT = "start" if "pfstart" in flags else prefetch_at
         projection.STREAM_EVICT_FIRST = "pfevict" in flags or stream_evict
         l2_prefetch.MAX_BYTES = next((int(f[5:]) << 20 for f in flags if f.startswith("pfcap")), prefetch_max)
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             whole_step.WHOLE_VERIFY = draft_step.PERSISTENT_DRAFT = whole_step.FUSED_ACCEPT = True
             projection.SWAP_MIN_BYTES, projection.FEW_BLOCKS_TILING = swap_min_bytes, few_blocks
             l2_prefetch.use_l2_prefetch(True)
-            graph_ops.L2_PREFETCH_IN_STATE_STEPS = True
+            graph_ops.L2_PREFETCH_IN_STATE_STEPS = prefetch_state
             l2_prefetch.AT, l2_prefetch.MAX_BYTES = prefetch_at, prefetch_max
             l2_prefetch.MAX_BYTES_ROWS = prefetch_max_rows
             projection.STREAM_EVICT_FIRST = stream_evict

@@ -33,8 +33,8 @@ CHUNK_BYTES = tl.constexpr(32 << 10)
 AT = "end"
 # At most this many bytes of the next matrix are prefetched (its first rows) by a kernel of one
 # AR row (MAX_BYTES) or of a verification's rows (MAX_BYTES_ROWS).
-MAX_BYTES = 24 << 20
-MAX_BYTES_ROWS = 24 << 20
+MAX_BYTES = 4 << 20
+MAX_BYTES_ROWS = 8 << 20
 
 
 def use_l2_prefetch(enabled: bool) -> None:

@@ -205,7 +205,7 @@ RECURRENT_STEP_KERNEL = True
 # The AR recurrence and a verification's conv + gates ask L2 for their layer's output projection
 # (kernels/l2_prefetch.py, which use_l2_prefetch turns off for every kernel; launch_counts.py
 # +nopf, +pfnorec).
-L2_PREFETCH_IN_STATE_STEPS = True
+L2_PREFETCH_IN_STATE_STEPS = False
 # The AR step's greedy token in one launch (kernels/triton_greedy.py), not torch's argmax and
 # two more launches to store it (launch_counts.py +nogreedy times them against each other).
 GREEDY_KERNEL = True
