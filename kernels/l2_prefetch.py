@@ -32,7 +32,10 @@ CHUNK_BYTES = tl.constexpr(32 << 10)
 # prefetch fills the kernel's drain and the boundary) or "start".
 AT = "end"
 # At most this many bytes of the next matrix are prefetched (its first rows) by a kernel of one
-# AR row (MAX_BYTES) or of a verification's rows (MAX_BYTES_ROWS).
+# AR row (MAX_BYTES) or of a verification's rows (MAX_BYTES_ROWS). 1.3B shape on the H100
+# (benchmarks/results/h100/session28/): 24 MB made AR 11% slower (1.527 against 1.373 ms/token),
+# 4 MB 2.9% faster (1.327 against 1.367); 8 MB took the 9-node verification from 1930 to 1838 us
+# of kernels but made AR's replay slower than 4 MB did.
 MAX_BYTES = 4 << 20
 MAX_BYTES_ROWS = 8 << 20
 

@@ -202,9 +202,10 @@ CONV_IN_PROJECTION = True
 # lets the output projection be scheduled during it), not fla's kernel (launch_counts.py
 # +norecstep). 1.3B AR on the H100, one run: 1.3558 ms/token against 1.3833 (session26/).
 RECURRENT_STEP_KERNEL = True
-# The AR recurrence and a verification's conv + gates ask L2 for their layer's output projection
-# (kernels/l2_prefetch.py, which use_l2_prefetch turns off for every kernel; launch_counts.py
-# +nopf, +pfnorec).
+# Whether the AR recurrence and a verification's conv + gates also ask L2 for their layer's
+# output projection (kernels/l2_prefetch.py, which use_l2_prefetch turns off for every kernel;
+# launch_counts.py +nopf, +pfrec). With 24 MB prefetches the conv + gates went from 98 to 161 us
+# a step, and AR was 1.2% slower with the recurrence's (H100, benchmarks/results/h100/session28/).
 L2_PREFETCH_IN_STATE_STEPS = False
 # The AR step's greedy token in one launch (kernels/triton_greedy.py), not torch's argmax and
 # two more launches to store it (launch_counts.py +nogreedy times them against each other).
