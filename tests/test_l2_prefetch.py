@@ -35,7 +35,12 @@ def test_prefetch_args_cap_and_align_the_bytes(monkeypatch):
     assert l2_prefetch.prefetch_args(nxt, torch.device("cpu")) == (None, 0, 0)
     monkeypatch.setattr(l2_prefetch, "l2_prefetch_applies", lambda device: True)
     monkeypatch.setattr(l2_prefetch, "MAX_BYTES", (1 << 20) + 7)
+    monkeypatch.setattr(l2_prefetch, "MAX_BYTES_ROWS", 2 << 20)
     assert l2_prefetch.prefetch_args(nxt, torch.device("cpu"))[1:] == (1 << 20, 2)
+    assert l2_prefetch.prefetch_args(nxt, torch.device("cpu"), rows=2)[1] == 1 << 20    # an AR kernel's cap
+    assert l2_prefetch.prefetch_args(nxt, torch.device("cpu"), rows=9)[1] == 2 << 20    # a verification's
+    monkeypatch.setattr(l2_prefetch, "MAX_BYTES_ROWS", 64 << 20)
+    assert l2_prefetch.prefetch_args(nxt, torch.device("cpu"), rows=9)[1] == 6 << 20    # the whole matrix
     monkeypatch.setattr(l2_prefetch, "AT", "start")
     assert l2_prefetch.prefetch_args(nxt, torch.device("cpu"))[2] == 1
     assert l2_prefetch.prefetch_args(None, torch.device("cpu")) == (None, 0, 0)
