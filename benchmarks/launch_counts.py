@@ -32,7 +32,8 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kernels import l2_prefetch, pdl, triton_projection as projection, triton_recurrent_step as recurrent_step  # noqa: E402
+from kernels import l2_prefetch, pdl  # noqa: E402
+from kernels import triton_projection as projection, triton_recurrent_step as recurrent_step  # noqa: E402
 from specla.graphs import ops as graph_ops  # noqa: E402
 from specla.graphs import draft_step, whole_step  # noqa: E402
 from specla import runner  # noqa: E402
@@ -190,10 +191,10 @@ def main(argv: list[str] | None = None) -> int:
                         "+recoff / +reclaunch set its PDL_MODE; +fewN.K.S gives the GEMV projections whose column "
                         "blocks do not fill the GPU N columns, K wide blocks and S split-K slices "
                         "(FEW_BLOCKS_TILING in kernels/triton_projection.py); +nopf: no kernel prefetches the next "
-                        "weights into L2 (kernels/l2_prefetch.py), +pfnorec / +pfrec: the AR recurrence and the conv + gates do not / do, +pfstart: "
-                        "the projections prefetch at their start, not their end, +pfcapN: at most N MB of a matrix from a "
-                        "kernel of one or two rows, +pfrowsN: from a kernel of more rows, "
-                        "+pfevict: the GEMV projections' weight loads evict-first")
+                        "weights into L2 (kernels/l2_prefetch.py), +pfnorec / +pfrec: the AR recurrence and the "
+                        "conv + gates do not / do, +pfstart: the projections prefetch at their start, not their "
+                        "end, +pfcapN: at most N MB of a matrix from a kernel of one or two rows, +pfrowsN: from "
+                        "a kernel of more rows, +pfevict: the GEMV projections' weight loads evict-first")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
     p.add_argument("--speed-limit", type=int, default=8)
     p.add_argument("--tokens", type=int, default=128)

@@ -49,8 +49,8 @@ def test_prefetch_args_cap_and_align_the_bytes(monkeypatch):
 @compiles
 def test_prefetching_kernels_compile_for_sm90_with_the_bulk_prefetch(monkeypatch):
     """The GEMV and swapped projections (prefetch at the start and at the end), the
-    recurrence step and the verification's conv + gates, compiled on the CPU for sm_90: each has one bulk prefetch, ptxas takes it,
-    nothing spills."""
+    recurrence step and the verification's conv + gates, compiled on the CPU for sm_90: each
+    has one bulk prefetch, ptxas takes it, nothing spills."""
     pytest.importorskip("triton")
     from benchmarks import ptxas_check
     from kernels import l2_prefetch, triton_projection as tp, triton_recurrent_step as rs
@@ -76,8 +76,8 @@ def test_prefetching_kernels_compile_for_sm90_with_the_bulk_prefetch(monkeypatch
     xc, ab3 = torch.zeros(1, 3, 2 * 3 * 64, dtype=bf), torch.zeros(1, 3, 2, dtype=bf)
     calls += ptxas_check.recorded_launches(
         lambda: cg.conv_gates(xc, torch.zeros(1, 384, 3, dtype=bf), Topology.chain(3, 4, "cpu").conv_index,
-                              torch.zeros(384, 4, dtype=bf), torch.zeros(384, dtype=bf), ab3, ab3, torch.zeros(2), torch.zeros(2), 64, 64,
-                              prefetch=nxt), ["_conv_gates_kernel"], cg)
+                              torch.zeros(384, 4, dtype=bf), torch.zeros(384, dtype=bf), ab3, ab3, torch.zeros(2),
+                              torch.zeros(2), 64, 64, prefetch=nxt), ["_conv_gates_kernel"], cg)
     assert [kw["PREFETCH"] for _, _, kw in calls] == [1, 2, 2, 2, 2]
     for kernel, args, kwargs in calls:
         compiled = ptxas_check.compile_sm90(kernel, args, kwargs)
