@@ -6,6 +6,7 @@ Each kernel computes what a plain-torch reference in `kernels/reference.py` comp
     verify("hybrid")  `_walk_kernel` (SCHEDULED=True), per wave     hybrid_verify_ref
     verify("tree")    `_parallel_kernel` (N <= PARALLEL_MAX_NODES)  tree_verify_ref
                       else `_tree_gram_kernel` + `_tree_solve_kernel`
+    either, N <= 16   `_tree_gram_kernel` (INVERT) + `_parallel_solve_kernel` ("gram_parallel")
     commit()          `_commit_kernel`                              commit_ref
 
 Shapes as in the references: q, k [B,N,H,K]; v [B,N,H,V]; g, beta [B,N,H]; S0 [B,H,K,V]
@@ -45,7 +46,12 @@ PARALLEL_MAX_NODES = 16
 # 12.9 us a layer at the GDN-1.3B shape, 5.5 against 5.2-7.7 at the embedded), the parallel
 # form from 9 (12.9 against 14.9; 5.2 against 9.0). H200, benchmarks/results/h200/session12/.
 CHAIN_PARALLEL_MIN_NODES = 6
-FORMS = {"chain": ("walk", "parallel"), "tree": ("parallel", "gram_solve"), "hybrid": ("walk",)}
+FORMS = {"chain": ("walk", "parallel", "gram_parallel"), "tree": ("parallel", "gram_parallel", "gram_solve"),
+         "hybrid": ("walk",)}
+# The parallel form's default (up to 16 nodes) as two launches ("gram_parallel"): the Gram
+# matrices and (I + A)^-1 once per head, then every (head, V tile) with them, instead of each
+# V tile building them itself.
+GRAM_APART = False
 MAX_K, MAX_V = 256, 512     # a [K, BV] state tile lives in registers; V is tiled
 # fp32 products of the tree kernels. Triton's default for an fp32 tl.dot on a GPU is tf32
 # (~1e-3 relative error, too coarse to match the serial recurrence); "ieee" is plain fp32
@@ -413,16 +419,17 @@ def _tree_paths(g, parents, o_n, m_n, i_b, i_h, N, H: tl.constexpr, CHAIN: tl.co
 def _tree_gram_kernel(
     q, k, g, beta, parents, A, Pm, Gout, N,
     H: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, CHAIN: tl.constexpr = False, INVERT: tl.constexpr = False,
 ):
-    """Per (batch, head): the [BN, BN] matrices A and P = decay * (Q K^T), and G."""
+    """Per (batch, head): the [BN, BN] matrices A and P = decay * (Q K^T), and G. With
+    INVERT (BN = 16) A receives (I + A)^-1 instead (`_inverse`), for `_parallel_solve_kernel`."""
     i_bh = tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
     o_n = tl.arange(0, BN)
     m_n = o_n < N
     rows = (i_b * N + o_n) * H + i_h
 
-    anc, G, decay = _tree_paths(g, parents, o_n, m_n, i_b, i_h, N, H, False)
+    anc, G, decay = _tree_paths(g, parents, o_n, m_n, i_b, i_h, N, H, CHAIN)
     b_beta = tl.load(beta + rows, mask=m_n, other=0.).to(tl.float32)
     o_nn = i_bh.to(tl.int64) * BN * BN + o_n[:, None] * BN + o_n[None, :]
 
@@ -434,7 +441,10 @@ def _tree_gram_kernel(
         b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
         kk += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
     strict = anc & (o_n[:, None] != o_n[None, :])
-    tl.store(A + o_nn, tl.where(strict, b_beta[:, None] * decay * kk, 0.))
+    b_A = tl.where(strict, b_beta[:, None] * decay * kk, 0.)
+    if INVERT:
+        b_A = _inverse(b_A, o_n, DOT_PRECISION)
+    tl.store(A + o_nn, b_A)
 
     qk = tl.zeros([BN, BN], dtype=tl.float32)
     for i_k in range(K // BK):
@@ -525,6 +535,36 @@ def _inverse_times(A, A2, A4, A8, x, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _inverse(A, o_n, DOT_PRECISION: tl.constexpr):
+    """(I + A)^-1 of a strictly lower triangular [16, 16] A: the product form on I, then where
+    some |A_ij| > 1/2 one Newton step T += T (I - (I + A) T), whose residual has bounded terms
+    (`_parallel_tile` says why the product form alone may not be accurate there)."""
+    eye = tl.where(o_n[:, None] == o_n[None, :], 1., 0.)
+    A2 = tl.dot(A, A, input_precision=DOT_PRECISION)
+    A4 = tl.dot(A2, A2, input_precision=DOT_PRECISION)
+    A8 = tl.dot(A4, A4, input_precision=DOT_PRECISION)
+    T = _inverse_times(A, A2, A4, A8, eye, DOT_PRECISION)
+    if tl.max(tl.max(tl.abs(A), 1), 0) > 0.5:
+        T += _inverse_times(A, A2, A4, A8, eye - T - tl.dot(A, T, input_precision=DOT_PRECISION),
+                            DOT_PRECISION)
+    return T
+
+
+@triton.jit
+def _fold_pending_tile(p_S, stride_sk, kp, dp, gp, i_b, i_h, P, o_v,
+                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """Fold the deferred commit into a program's whole [K, BV] state tile in memory before its
+    K pass (as the walk does): folded block by block inside the K pass it cost 2 us a block
+    (H200, GDN-1.3B shape), and in closed form inside it (K S = e^G_T K S0 + (K Kp'^T) Dp)
+    23.3 us a layer against 13.2 for 9 nodes and 8 pending factors (H100,
+    benchmarks/results/h100/session25/)."""
+    ks_all = tl.arange(0, K)
+    h = _fold_pending(tl.load(p_S + ks_all[:, None] * stride_sk), kp, dp, gp, i_b, i_h, P, ks_all, o_v, H, K, V)
+    tl.store(p_S + ks_all[:, None] * stride_sk, h)
+    tl.debug_barrier()        # the K pass reads the tile through other threads
+
+
+@triton.jit
 def _parallel_tile(
     q, k, v, g, beta, parents, S, o, delta,
     stride_sb, stride_sh, stride_sk, stride_sv,
@@ -553,15 +593,7 @@ def _parallel_tile(
     qs = tl.zeros([BN, BV], dtype=tl.float32)               # Q S0
     p_S = S + i_b * stride_sb + i_h * stride_sh + o_v[None, :] * stride_sv
     if HAS_PENDING:
-        # the deferred commit on the whole [K, BV] tile first, as the walk does: folded block
-        # by block inside the K pass it cost 2 us a block (H200, GDN-1.3B shape), and in closed
-        # form inside it (K S = e^G_T K S0 + (K Kp'^T) Dp) 23.3 us a layer against 13.2 for 9
-        # nodes and 8 pending factors (H100, benchmarks/results/h100/session25/)
-        ks_all = tl.arange(0, K)
-        h = _fold_pending(tl.load(p_S + ks_all[:, None] * stride_sk), kp, dp, gp, i_b, i_h, P,
-                          ks_all, o_v, H, K, V)
-        tl.store(p_S + ks_all[:, None] * stride_sk, h)
-        tl.debug_barrier()        # the pass below reads the tile through other threads
+        _fold_pending_tile(p_S, stride_sk, kp, dp, gp, i_b, i_h, P, o_v, H, K, V)
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         b_S = tl.load(p_S + o_k[:, None] * stride_sk)
@@ -631,6 +663,65 @@ def _parallel_verify(q, k, v, g, beta, S0, parents, chain_nodes, pending, o, del
         num_warps=cfg["num_warps"])
 
 
+@triton.jit(do_not_specialize=["P", "N"])
+def _parallel_solve_kernel(
+    q, k, v, beta, S, o, delta, T, Pm, Gin,
+    stride_sb, stride_sh, stride_sk, stride_sv,
+    kp, dp, gp, P, N,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_PENDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """The "gram_parallel" form's second launch, per (batch, head, V tile): the parallel
+    form with T = (I + A)^-1, P and G read from `_tree_gram_kernel` (INVERT) instead of
+    built by every V tile of the head, so the K pass has two products instead of four and
+    no dependent chain of [16, 16] products follows it."""
+    i_b, i_h, i_bh, o_n, m_n, rows, o_v = _node_tile(N, H, BN, BV, tl.program_id(0), tl.program_id(1))
+    ks = tl.zeros([BN, BV], dtype=tl.float32)               # K S0
+    qs = tl.zeros([BN, BV], dtype=tl.float32)               # Q S0
+    p_S = S + i_b * stride_sb + i_h * stride_sh + o_v[None, :] * stride_sv
+    if HAS_PENDING:
+        _fold_pending_tile(p_S, stride_sk, kp, dp, gp, i_b, i_h, P, o_v, H, K, V)
+    for i_k in range(K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_S = tl.load(p_S + o_k[:, None] * stride_sk)
+        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+        ks += tl.dot(b_k, b_S, input_precision=DOT_PRECISION)
+        qs += tl.dot(b_q, b_S, input_precision=DOT_PRECISION)
+
+    o_nn = i_bh.to(tl.int64) * BN * BN + o_n[:, None] * BN + o_n[None, :]
+    eG = tl.exp(tl.load(Gin + i_bh * BN + o_n))
+    b_beta = tl.load(beta + rows, mask=m_n, other=0.).to(tl.float32)
+    b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+    u = tl.dot(tl.load(T + o_nn), b_beta[:, None] * (b_v - eG[:, None] * ks), input_precision=DOT_PRECISION)
+    b_o = eG[:, None] * qs + tl.dot(tl.load(Pm + o_nn), u, input_precision=DOT_PRECISION)
+    m_out = m_n[:, None]
+    tl.store(o + rows[:, None] * V + o_v[None, :], b_o, mask=m_out)
+    tl.store(delta + rows[:, None] * V + o_v[None, :], u, mask=m_out)
+
+
+def _gram_parallel_verify(q, k, v, g, beta, S0, parents, chain_nodes, pending, o, delta,
+                          block_v=None, block_k=None, num_warps=None, dot_precision=None):
+    """Two launches: per head the Gram matrices, decays and (I + A)^-1; then per (head, V
+    tile) the state products and the solve."""
+    B, N, H, K = q.shape
+    V = v.shape[-1]
+    cfg = _parallel_config(N, K, V, block_v, block_k, num_warps)
+    BN, precision = cfg["BN"], dot_precision or DOT_PRECISION
+    T = torch.empty((B * H, BN, BN), device=q.device, dtype=torch.float32)
+    Pm = torch.empty_like(T)
+    G = torch.empty((B * H, BN), device=q.device, dtype=torch.float32)
+    _tree_gram_kernel[(B * H,)](q, k, g, beta, parents, T, Pm, G, N, H=H, K=K, BN=BN, BK=min(K, 32),
+                                DOT_PRECISION=precision, CHAIN=chain_nodes, INVERT=True, num_warps=4)
+    kp, dp, gp, P, has_pending = _pending_args(pending, q)
+    _parallel_solve_kernel[(V // cfg["BV"], B * H)](
+        q, k, v, beta, S0, o, delta, T, Pm, G, *_strides(S0),
+        kp, dp, gp, P, N,
+        H=H, K=K, V=V, BN=BN, BK=cfg["BK"], BV=cfg["BV"], HAS_PENDING=has_pending,
+        DOT_PRECISION=precision, num_warps=cfg["num_warps"])
+
+
 def _tree_config(N: int, K: int, V: int, block_v: int | None = None) -> dict:
     """Tiles and warps of the two tree kernels, chosen from ptxas reports for sm_90 (no
     spills up to BN=64 at K=256; BN=128's gram kernel spills a few hundred bytes).
@@ -652,9 +743,9 @@ def _tree_verify(q, k, v, g, beta, S0, parents, pending, o, delta, block_v, form
     if parents.shape != (N,) or parents.device != q.device:
         raise ValueError(f"topo.parents must be a [{N}] tensor on {q.device}, got "
                          f"{tuple(parents.shape)} on {parents.device}")
-    if form == "parallel":
-        _parallel_verify(q, k, v, g, beta, S0, parents, False, pending, o, delta, block_v,
-                         **parallel_options)
+    if form in ("parallel", "gram_parallel"):
+        run = _parallel_verify if form == "parallel" else _gram_parallel_verify
+        run(q, k, v, g, beta, S0, parents, False, pending, o, delta, block_v, **parallel_options)
         return
     cfg = _tree_config(N, K, V, block_v)
     BN = cfg["BN"]
@@ -736,7 +827,9 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     rounded to bf16 / fp16 on store (static buffers for a CUDA graph; tests poison them).
     form: which kernel computes the mode (FORMS; None picks by N): a chain's serial "walk"
     or one-launch "parallel" form (6 <= N <= 16), a tree's one-launch "parallel" form
-    (N <= 16) or its two-launch "gram_solve".
+    (N <= 16) or its two-launch "gram_solve"; for either, the parallel form with its per-head
+    matrices built by a launch before it, "gram_parallel" (N <= 16; the default where
+    GRAM_APART).
     For benchmarking, block_v overrides the V tile (every form), num_warps the warps,
     v_first the walk's tile orientation, block_k and dot_precision the parallel form's K
     block and tl.dot precision.
@@ -761,17 +854,19 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                     or t.device != q.device:
                 raise ValueError(f"out tensors must be contiguous [B, N, H, V] = {(B, N, H, V)} "
                                  f"on {q.device}, delta float32 and o one of {OUT_DTYPES}")
+    parallel = "gram_parallel" if GRAM_APART else "parallel"
     if form is None and mode == "tree":
-        form = "parallel" if N <= PARALLEL_MAX_NODES else "gram_solve"
+        form = parallel if N <= PARALLEL_MAX_NODES else "gram_solve"
     elif form is None and mode == "chain":
-        form = "parallel" if CHAIN_PARALLEL_MIN_NODES <= N <= PARALLEL_MAX_NODES else "walk"
-    if form == "parallel" and N > PARALLEL_MAX_NODES:
-        raise ValueError(f"the one-launch parallel form takes up to {PARALLEL_MAX_NODES} nodes, not {N}")
+        form = parallel if CHAIN_PARALLEL_MIN_NODES <= N <= PARALLEL_MAX_NODES else "walk"
+    if form in ("parallel", "gram_parallel") and N > PARALLEL_MAX_NODES:
+        raise ValueError(f"the {form} form takes up to {PARALLEL_MAX_NODES} nodes, not {N}")
     parallel_options = dict(block_k=block_k, num_warps=num_warps, dot_precision=dot_precision)
     if mode == "chain" and form == "walk":
         _chain_verify(q, k, v, g, beta, S0, pending, o, delta, block_v, num_warps, v_first)
     elif mode == "chain":
-        _parallel_verify(q, k, v, g, beta, S0, q, True, pending, o, delta, block_v, **parallel_options)
+        run = _parallel_verify if form == "parallel" else _gram_parallel_verify
+        run(q, k, v, g, beta, S0, q, True, pending, o, delta, block_v, **parallel_options)
     elif mode == "tree":
         _tree_verify(q, k, v, g, beta, S0, topo.parents, pending, o, delta, block_v, form,
                      **parallel_options)

@@ -124,8 +124,9 @@ def check_verify(mode: str, parents: list[int], B: int, H: int, K: int, V: int, 
     return problems
 
 
-def check_repeated_keys(mode: str, n: int, H: int, K: int, V: int, device, seed: int = 0) -> list[str]:
-    """The parallel form where its repeated squaring rounds worst: every node the same key,
+def check_repeated_keys(mode: str, n: int, H: int, K: int, V: int, device, seed: int = 0,
+                        form: str = "parallel") -> list[str]:
+    """A parallel form where its repeated squaring rounds worst: every node the same key,
     beta near 1, little decay (a model repeating itself). Against the reference in float64."""
     from kernels import triton_verify
     parents = chain(n) if mode == "chain" else random_tree(n, seed=seed)
@@ -135,7 +136,7 @@ def check_repeated_keys(mode: str, n: int, H: int, K: int, V: int, device, seed:
     x["g"] = 0.01 * x["g"]
     args = [x[name] for name in ("q", "k", "v", "g", "beta", "S0")]
     o_ref, d_ref = reference.tree_verify_ref(*(a.cpu().double() for a in args), torch.tensor(parents))
-    o, d = triton_verify.verify(mode, *args, make_topo(parents, device), form="parallel")
+    o, d = triton_verify.verify(mode, *args, make_topo(parents, device), form=form)
     errors = {"o": rel_err(o, o_ref), "delta": rel_err(d, d_ref)}
     return [f"{name}: relative error {err:.2e} >= {RTOL:.0e}" for name, err in errors.items() if not err < RTOL]
 
@@ -450,9 +451,9 @@ SIZES = {"chain": (1, 2, 5, 16, 33, 64), "wide": (9, 64), "deep": (24, 64),
 
 
 def forms(mode: str, n: int) -> tuple[str, ...]:
-    """The kernels that compute `mode` for n nodes (the parallel form takes up to 16)."""
+    """The kernels that compute `mode` for n nodes (the parallel forms take up to 16)."""
     from kernels.triton_verify import FORMS, PARALLEL_MAX_NODES
-    return tuple(f for f in FORMS[mode] if f != "parallel" or n <= PARALLEL_MAX_NODES)
+    return tuple(f for f in FORMS[mode] if f not in ("parallel", "gram_parallel") or n <= PARALLEL_MAX_NODES)
 
 
 def verify_cases():
@@ -479,8 +480,9 @@ def test_verify_matches_reference(mode, form, topo_name, n, B, H, K, V, P):
 @needs_cuda
 @pytest.mark.parametrize("mode,n", [("chain", 9), ("chain", 16), ("tree", 16)])
 @pytest.mark.parametrize("K,V", [(256, 256), (64, 64)], ids=lambda x: str(x))
-def test_parallel_form_on_repeated_keys(mode, n, K, V):
-    assert not check_repeated_keys(mode, n, 8 if K == 256 else 6, K, V, "cuda")
+@pytest.mark.parametrize("form", ["parallel", "gram_parallel"])
+def test_parallel_form_on_repeated_keys(mode, n, K, V, form):
+    assert not check_repeated_keys(mode, n, 8 if K == 256 else 6, K, V, "cuda", form=form)
 
 
 @needs_cuda
@@ -495,11 +497,12 @@ def test_pending_counts(mode, P):
 @needs_cuda
 @pytest.mark.parametrize("P", [1, 8, 16, 20], ids=lambda p: f"P{p}")
 @pytest.mark.parametrize("mode,n", [("chain", 9), ("tree", 16)])
-def test_parallel_form_folds_pending(mode, n, P):
+@pytest.mark.parametrize("form", ["parallel", "gram_parallel"])
+def test_parallel_form_folds_pending(mode, n, P, form):
     """The pending commit folded into the state tile before the K pass, at the GDN-1.3B head
     shape; 20 pending factors take two blocks."""
     parents = chain(n) if mode == "chain" else random_tree(n, seed=P)
-    problems = check_verify(mode, parents, 1, 8, 256, 256, P, "cuda", seed=200 + P, form="parallel")
+    problems = check_verify(mode, parents, 1, 8, 256, 256, P, "cuda", seed=200 + P, form=form)
     assert not problems, problems
 
 
@@ -850,8 +853,9 @@ def interpreter_cases(group: str):
         topologies.append(("chain" if group == "chain" else "random", chain(17) if group == "chain"
                            else random_tree(17, seed=4)))
         for n in (9, 16):
-            yield (f"{group}-parallel-N{n}-repeated-keys",
-                   lambda n=n: check_repeated_keys(group, n, 2, 16, 16, dev, seed=n))
+            for form in ("parallel", "gram_parallel"):
+                yield (f"{group}-{form}-N{n}-repeated-keys",
+                       lambda n=n, form=form: check_repeated_keys(group, n, 2, 16, 16, dev, seed=n, form=form))
     # every form and the walk's two tile orientations; P=20 folds a pending commit in two blocks
     variants = [{"form": "walk", "v_first": False}, {"form": "walk", "v_first": True}]
     for name, parents in topologies:
