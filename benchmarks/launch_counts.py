@@ -195,9 +195,10 @@ def main(argv: list[str] | None = None) -> int:
                         "weights into L2 (kernels/l2_prefetch.py), +pfnorec / +pfrec: the AR recurrence and the "
                         "conv + gates do not / do, +pfstart: the projections prefetch at their start, not their "
                         "end, +pfcapN: at most N MB of a matrix from a kernel of one or two rows, +pfrowsN: from "
-                        "a kernel of more rows, +pfevict: the GEMV projections' weight loads evict-first; +gramapart / "
-                        "+gramin: the per-op verification's parallel form with / without its per-head matrices "
-                        "built by a launch of their own (GRAM_APART in kernels/triton_verify.py)")
+                        "a kernel of more rows, +pfevict: the GEMV projections' weight loads evict-first; +gramlaunch / "
+                        "+gramconv / +gramin: the per-op verification's parallel form with its per-head matrices "
+                        "built by a launch of their own / by the conv + gates launch / by every V tile "
+                        "(GRAM_APART in kernels/triton_verify.py)")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
     p.add_argument("--speed-limit", type=int, default=8)
     p.add_argument("--tokens", type=int, default=128)
@@ -248,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                                           prefetch_max_rows)
         projection.FEW_BLOCKS_TILING = next((tuple(int(n) for n in f[3:].split(".")) for f in flags
                                              if f.startswith("few")), few_blocks)
-        triton_verify.GRAM_APART = ("gramapart" in flags or gram_apart) and "gramin" not in flags
+        triton_verify.GRAM_APART = next((f[4:] for f in flags if f in ("gramlaunch", "gramconv")),
+                                        None if "gramin" in flags else gram_apart)
         try:
             variant, engine = count_bodies(runtime, ops, args)
             variant["pdl"] = pdl.pdl_applies(runtime.device)

@@ -48,10 +48,18 @@ PARALLEL_MAX_NODES = 16
 CHAIN_PARALLEL_MIN_NODES = 6
 FORMS = {"chain": ("walk", "parallel", "gram_parallel"), "tree": ("parallel", "gram_parallel", "gram_solve"),
          "hybrid": ("walk",)}
-# The parallel form's default (up to 16 nodes) as two launches ("gram_parallel"): the Gram
-# matrices and (I + A)^-1 once per head, then every (head, V tile) with them, instead of each
-# V tile building them itself.
-GRAM_APART = False
+# Where the parallel form's per-head Gram matrices and (I + A)^-1 are built (up to 16 nodes):
+# None, by every (head, V tile) program itself ("parallel"); "launch", once a head by a launch
+# of their own ("gram_parallel"); "conv", once a head by the conv + gates launch in front of
+# the verification where the runtime passes it the buffers (`head_apart`), else as "launch".
+GRAM_APART: str | None = None
+
+
+def head_apart(mode: str, N: int) -> bool:
+    """Whether a per-op verification of N nodes in `mode` takes its per-head matrices from the
+    conv + gates launch (GRAM_APART "conv"; `kernels.triton_conv_gates.HeadBuffers`)."""
+    parallel = (CHAIN_PARALLEL_MIN_NODES if mode == "chain" else 1) <= N <= PARALLEL_MAX_NODES
+    return GRAM_APART == "conv" and mode in ("chain", "tree") and parallel
 MAX_K, MAX_V = 256, 512     # a [K, BV] state tile lives in registers; V is tiled
 # fp32 products of the tree kernels. Triton's default for an fp32 tl.dot on a GPU is tf32
 # (~1e-3 relative error, too coarse to match the serial recurrence); "ieee" is plain fp32
@@ -395,7 +403,8 @@ def _tree_paths(g, parents, o_n, m_n, i_b, i_h, N, H: tl.constexpr, CHAIN: tl.co
     one parent per iteration (depth iterations), so a graph replays with any tree written
     into `parents`. A chain (CHAIN) is the lower triangle and a cumsum.
     """
-    b_g = tl.load(g + (i_b * N + o_n) * H + i_h, mask=m_n, other=0.).to(tl.float32)
+    # .cg (past L1): `_head_gram` may read g written by other programs of the same launch
+    b_g = tl.load(g + (i_b * N + o_n) * H + i_h, mask=m_n, other=0., cache_modifier=".cg").to(tl.float32)
     if CHAIN:
         anc = o_n[None, :] <= o_n[:, None]
         G = tl.cumsum(b_g, 0)
@@ -408,29 +417,27 @@ def _tree_paths(g, parents, o_n, m_n, i_b, i_h, N, H: tl.constexpr, CHAIN: tl.co
             climbed += 1
             up = cur >= 0
             anc = anc | (cur[:, None] == o_n[None, :])
-            G += tl.load(g + (i_b * N + cur) * H + i_h, mask=up, other=0.).to(tl.float32)
+            G += tl.load(g + (i_b * N + cur) * H + i_h, mask=up, other=0., cache_modifier=".cg").to(tl.float32)
             cur = tl.load(parents + cur, mask=up, other=-1).to(tl.int32)
     # exp only where masked in: G_i - G_j between branches can be large and positive
     decay = tl.where(anc, tl.exp(tl.where(anc, G[:, None] - G[None, :], 0.)), 0.)
     return anc, G, decay
 
 
-@triton.jit(do_not_specialize=["N"])
-def _tree_gram_kernel(
-    q, k, g, beta, parents, A, Pm, Gout, N,
-    H: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, CHAIN: tl.constexpr = False, INVERT: tl.constexpr = False,
-):
-    """Per (batch, head): the [BN, BN] matrices A and P = decay * (Q K^T), and G. With
-    INVERT (BN = 16) A receives (I + A)^-1 instead (`_inverse`), for `_parallel_solve_kernel`."""
-    i_bh = tl.program_id(0)
-    i_b, i_h = i_bh // H, i_bh % H
+@triton.jit
+def _head_gram(q, k, g, beta, parents, A, Pm, Gout, i_b, i_h, N,
+               H: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, CHAIN: tl.constexpr, INVERT: tl.constexpr):
+    """One (batch, head)'s [BN, BN] matrices A (or, with INVERT and BN = 16, (I + A)^-1, by
+    `_inverse`) and P = decay * (Q K^T), and its G, into slot i_b * H + i_h. Loads bypass L1
+    (.cg): a caller may have had other programs write q, k, g and beta in the same launch."""
+    i_bh = i_b * H + i_h
     o_n = tl.arange(0, BN)
     m_n = o_n < N
     rows = (i_b * N + o_n) * H + i_h
 
     anc, G, decay = _tree_paths(g, parents, o_n, m_n, i_b, i_h, N, H, CHAIN)
-    b_beta = tl.load(beta + rows, mask=m_n, other=0.).to(tl.float32)
+    b_beta = tl.load(beta + rows, mask=m_n, other=0., cache_modifier=".cg").to(tl.float32)
     o_nn = i_bh.to(tl.int64) * BN * BN + o_n[:, None] * BN + o_n[None, :]
 
     # Gram matrices over the key dim, one after the other to keep one [BN, BN] accumulator
@@ -438,7 +445,8 @@ def _tree_gram_kernel(
     kk = tl.zeros([BN, BN], dtype=tl.float32)
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.,
+                      cache_modifier=".cg").to(tl.float32)
         kk += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
     strict = anc & (o_n[:, None] != o_n[None, :])
     b_A = tl.where(strict, b_beta[:, None] * decay * kk, 0.)
@@ -449,11 +457,25 @@ def _tree_gram_kernel(
     qk = tl.zeros([BN, BN], dtype=tl.float32)
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
-        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.,
+                      cache_modifier=".cg").to(tl.float32)
+        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.,
+                      cache_modifier=".cg").to(tl.float32)
         qk += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
     tl.store(Pm + o_nn, decay * qk)
     tl.store(Gout + i_bh * BN + o_n, G)
+
+
+@triton.jit(do_not_specialize=["N"])
+def _tree_gram_kernel(
+    q, k, g, beta, parents, A, Pm, Gout, N,
+    H: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, CHAIN: tl.constexpr = False, INVERT: tl.constexpr = False,
+):
+    """Per (batch, head): `_head_gram`. With INVERT, for `_parallel_solve_kernel`."""
+    i_bh = tl.program_id(0)
+    _head_gram(q, k, g, beta, parents, A, Pm, Gout, i_bh // H, i_bh % H, N, H, K, BN, BK,
+               DOT_PRECISION, CHAIN, INVERT)
 
 
 @triton.jit
@@ -701,25 +723,43 @@ def _parallel_solve_kernel(
     tl.store(delta + rows[:, None] * V + o_v[None, :], u, mask=m_out)
 
 
+def head_matrices(B: int, H: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Buffers for the "gram_parallel" form's per-head (I + A)^-1, P [B*H, 16, 16] and G
+    [B*H, 16], fp32: what `_head_gram` writes, e.g. from `kernels.triton_conv_gates`."""
+    T = torch.empty((B * H, 16, 16), device=device, dtype=torch.float32)
+    return T, torch.empty_like(T), torch.empty((B * H, 16), device=device, dtype=torch.float32)
+
+
 def _gram_parallel_verify(q, k, v, g, beta, S0, parents, chain_nodes, pending, o, delta,
-                          block_v=None, block_k=None, num_warps=None, dot_precision=None):
-    """Two launches: per head the Gram matrices, decays and (I + A)^-1; then per (head, V
-    tile) the state products and the solve."""
+                          block_v=None, block_k=None, num_warps=None, dot_precision=None, head=None):
+    """Two launches: per head the Gram matrices, decays and (I + A)^-1 (none when `head`
+    holds them already); then per (head, V tile) the state products and the solve."""
     B, N, H, K = q.shape
     V = v.shape[-1]
     cfg = _parallel_config(N, K, V, block_v, block_k, num_warps)
     BN, precision = cfg["BN"], dot_precision or DOT_PRECISION
-    T = torch.empty((B * H, BN, BN), device=q.device, dtype=torch.float32)
-    Pm = torch.empty_like(T)
-    G = torch.empty((B * H, BN), device=q.device, dtype=torch.float32)
-    _tree_gram_kernel[(B * H,)](q, k, g, beta, parents, T, Pm, G, N, H=H, K=K, BN=BN, BK=min(K, 32),
-                                DOT_PRECISION=precision, CHAIN=chain_nodes, INVERT=True, num_warps=4)
+    if head is None:
+        T, Pm, G = head_matrices(B, H, q.device)
+        _tree_gram_kernel[(B * H,)](q, k, g, beta, parents, T, Pm, G, N, H=H, K=K, BN=BN, BK=min(K, 32),
+                                    DOT_PRECISION=precision, CHAIN=chain_nodes, INVERT=True, num_warps=4)
+    else:
+        T, Pm, G = head
     kp, dp, gp, P, has_pending = _pending_args(pending, q)
     _parallel_solve_kernel[(V // cfg["BV"], B * H)](
         q, k, v, beta, S0, o, delta, T, Pm, G, *_strides(S0),
         kp, dp, gp, P, N,
         H=H, K=K, V=V, BN=BN, BK=cfg["BK"], BV=cfg["BV"], HAS_PENDING=has_pending,
         DOT_PRECISION=precision, num_warps=cfg["num_warps"])
+
+
+def _check_head(head, B: int, H: int, N: int, device, mode: str, form: str | None) -> None:
+    if mode == "hybrid" or form not in (None, "gram_parallel") or N > PARALLEL_MAX_NODES:
+        raise ValueError(f"head matrices are the gram_parallel form's (chain or tree, up to "
+                         f"{PARALLEL_MAX_NODES} nodes), not {mode} / {form} with {N} nodes")
+    shapes = ((B * H, 16, 16), (B * H, 16, 16), (B * H, 16))
+    if len(head) != 3 or any(tuple(t.shape) != shape or t.dtype != torch.float32 or t.device != device
+                             or not t.is_contiguous() for t, shape in zip(head, shapes)):
+        raise ValueError(f"head must be (T, P, G) as head_matrices({B}, {H}) makes them, on {device}")
 
 
 def _tree_config(N: int, K: int, V: int, block_v: int | None = None) -> dict:
@@ -815,6 +855,7 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
            out: tuple[torch.Tensor, torch.Tensor] | None = None,
            block_v: int | None = None, num_warps: int | None = None, v_first: bool | None = None,
            form: str | None = None, block_k: int | None = None, dot_precision: str | None = None,
+           head: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Outputs and deltas [B,N,H,V] fp32 of every node of `topo` for one layer.
 
@@ -829,7 +870,10 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     or one-launch "parallel" form (6 <= N <= 16), a tree's one-launch "parallel" form
     (N <= 16) or its two-launch "gram_solve"; for either, the parallel form with its per-head
     matrices built by a launch before it, "gram_parallel" (N <= 16; the default where
-    GRAM_APART).
+    GRAM_APART is set).
+    head: the "gram_parallel" form's per-head matrices (`head_matrices`), already written for
+    these nodes by an earlier launch (`kernels.triton_conv_gates.conv_gates(head=...)`); the
+    form is then "gram_parallel" without its first launch.
     For benchmarking, block_v overrides the V tile (every form), num_warps the warps,
     v_first the walk's tile orientation, block_k and dot_precision the parallel form's K
     block and tl.dot precision.
@@ -854,14 +898,18 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                     or t.device != q.device:
                 raise ValueError(f"out tensors must be contiguous [B, N, H, V] = {(B, N, H, V)} "
                                  f"on {q.device}, delta float32 and o one of {OUT_DTYPES}")
-    parallel = "gram_parallel" if GRAM_APART else "parallel"
+    parallel_options = dict(block_k=block_k, num_warps=num_warps, dot_precision=dot_precision)
+    parallel = "gram_parallel" if GRAM_APART is not None or head is not None else "parallel"
+    if head is not None:
+        _check_head(head, B, H, N, q.device, mode, form)
+        form = "gram_parallel"
+        parallel_options["head"] = head
     if form is None and mode == "tree":
         form = parallel if N <= PARALLEL_MAX_NODES else "gram_solve"
     elif form is None and mode == "chain":
         form = parallel if CHAIN_PARALLEL_MIN_NODES <= N <= PARALLEL_MAX_NODES else "walk"
     if form in ("parallel", "gram_parallel") and N > PARALLEL_MAX_NODES:
         raise ValueError(f"the {form} form takes up to {PARALLEL_MAX_NODES} nodes, not {N}")
-    parallel_options = dict(block_k=block_k, num_warps=num_warps, dot_precision=dot_precision)
     if mode == "chain" and form == "walk":
         _chain_verify(q, k, v, g, beta, S0, pending, o, delta, block_v, num_warps, v_first)
     elif mode == "chain":

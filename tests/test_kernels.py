@@ -199,6 +199,43 @@ def check_conv_gates(parents: list[int], H: int, K: int, V: int, W: int, dtype, 
     return problems
 
 
+def check_conv_gates_head(parents: list[int], H: int, K: int, V: int, device, seed: int = 0,
+                          W: int = 4) -> list[str]:
+    """conv_gates writing the verification's per-head matrices (its last-arriving program of
+    each head): the gram_parallel verification that reads them against the reference
+    verification of the reference conv + gates' outputs, fp32; twice, so the arrival counters
+    must have re-armed (a stale count would leave the matrices of the first call)."""
+    from kernels import triton_verify
+    from kernels.triton_conv_gates import HeadBuffers, conv_gates
+    gen = torch.Generator().manual_seed(seed)
+    N, C = len(parents), H * (2 * K + V)
+    chain_nodes = parents == chain(N)
+    head = HeadBuffers.make(H, None if chain_nodes else torch.tensor(parents, device=device), device)
+    window = torch.randn(1, C, W, generator=gen).to(device)[..., 1:]
+    weight = (torch.randn(C, W, generator=gen) * 0.5).to(device)
+    neg_A = -(torch.rand(H, generator=gen) * 2).exp().to(device)
+    dt_bias = (torch.randn(H, generator=gen) * 0.5).to(device)
+    S0 = torch.randn(1, H, K, V, generator=gen).to(device)
+    topo = make_topo(parents, device)
+    problems = []
+    for call in range(2):
+        proj = torch.randn(1, N, C + 2 * H, generator=gen).to(device)
+        args = (proj[..., :C], window, ancestor_windows(parents, W).to(device), weight, None,
+                proj[..., C:C + H], proj[..., C + H:], neg_A, dt_bias, K, V)
+        for t in head.matrices:
+            t.fill_(float("nan"))
+        q, k, v, g, beta = conv_gates(*args, head=head)
+        o, d = triton_verify.verify("chain" if chain_nodes else "tree", q, k, v, g, beta, S0, topo,
+                                    head=head.matrices)
+        want = reference.conv_gates_ref(*(t.cpu() if torch.is_tensor(t) else t for t in args))
+        o_ref, d_ref = reference.tree_verify_ref(*want, S0.cpu(), torch.tensor(parents))
+        problems += [f"call {call}, {name}: relative error {rel_err(got, ref):.2e}"
+                     for name, got, ref in (("o", o, o_ref), ("delta", d, d_ref)) if not rel_err(got, ref) < RTOL]
+        if head.arrivals.any():
+            problems.append(f"call {call}: arrival counters left at {head.arrivals.tolist()}")
+    return problems
+
+
 def check_projection(prologue: str, M: int, K: int, N: int, dtype, device, seed: int = 0,
                      heads: int = 2, **blocks) -> list[str]:
     """One fused projection against its reference, with the inputs laid out as the runtime
@@ -556,6 +593,16 @@ def test_conv_gates_matches_reference(topo_name, n, H, K, V, W, bias, dtype):
 
 
 @needs_cuda
+@pytest.mark.parametrize("H,K,V", [(8, 256, 256), (6, 64, 64)], ids=lambda x: str(x))
+@pytest.mark.parametrize("topo_name,n", [("chain", 9), ("chain", 16), ("random", 16), ("wide", 9)])
+def test_conv_gates_head_matrices_verify(topo_name, n, H, K, V):
+    """The verification's per-head matrices from conv_gates' last arrivers, at the 1.3B and
+    the embedded head shapes, where programs of a head really do run concurrently."""
+    problems = check_conv_gates_head(TOPOLOGIES[topo_name](n), H, K, V, "cuda", seed=n + H)
+    assert not problems, problems
+
+
+@needs_cuda
 @pytest.mark.parametrize("N,S,V,k", [(1, 7, 4096, 4), (1, 7, 4096, 8), (2, 15, 32000, 8), (1, 3, 50, 1)])
 def test_lattice_topk_matches_candidates(N, S, V, k):
     assert not check_lattice_topk(N, S, V, k, "cuda", seed=V + k)
@@ -784,6 +831,9 @@ def interpreter_cases(group: str):
                     yield (f"conv_gates-{name}{len(parents)}-H{H}-K{K}-V{V}-W{W}-{dtype}",
                            lambda p=parents, H=H, K=K, V=V, W=W, dt=dtype, bias=bias: check_conv_gates(
                                p, H, K, V, W, dt, bias, dev, seed=len(p) + H))
+        for name, parents in (("chain", chain(9)), ("chain", chain(1)), ("random", random_tree(16, seed=5))):
+            yield (f"conv_gates-head-{name}{len(parents)}-H2-K16-V32",
+                   lambda p=parents: check_conv_gates_head(p, 2, 16, 32, dev, seed=len(p)))
         return
     if group == "step":  # tests/test_conv_recurrent_step.py, test_conv_projection.py, test_greedy.py
         from tests.test_conv_recurrent_step import check_conv_recurrent_step
