@@ -557,19 +557,26 @@ def _inverse_times(A, A2, A4, A8, x, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _inverse(A, o_n, DOT_PRECISION: tl.constexpr):
-    """(I + A)^-1 of a strictly lower triangular [16, 16] A: the product form on I, then where
-    some |A_ij| > 1/2 one Newton step T += T (I - (I + A) T), whose residual has bounded terms
-    (`_parallel_tile` says why the product form alone may not be accurate there)."""
-    eye = tl.where(o_n[:, None] == o_n[None, :], 1., 0.)
+def _unit_lower_solve(A, x, DOT_PRECISION: tl.constexpr):
+    """(I + A)^-1 x for a strictly lower triangular [16, 16] A: the product form, then where
+    some |A_ij| > 1/2 one step of refinement. The product form's terms can be much larger than
+    the result (`_parallel_tile`); the residual's are bounded (|A| <= 1, the solution bounded),
+    so the refinement is accurate where they are not. With every |A_ij| <= 1/2 they stay small:
+    relative error 8e-7 at N = 16 unrefined."""
     A2 = tl.dot(A, A, input_precision=DOT_PRECISION)
     A4 = tl.dot(A2, A2, input_precision=DOT_PRECISION)
     A8 = tl.dot(A4, A4, input_precision=DOT_PRECISION)
-    T = _inverse_times(A, A2, A4, A8, eye, DOT_PRECISION)
+    u = _inverse_times(A, A2, A4, A8, x, DOT_PRECISION)
     if tl.max(tl.max(tl.abs(A), 1), 0) > 0.5:
-        T += _inverse_times(A, A2, A4, A8, eye - T - tl.dot(A, T, input_precision=DOT_PRECISION),
-                            DOT_PRECISION)
-    return T
+        u += _inverse_times(A, A2, A4, A8, x - u - tl.dot(A, u, input_precision=DOT_PRECISION), DOT_PRECISION)
+    return u
+
+
+@triton.jit
+def _inverse(A, o_n, DOT_PRECISION: tl.constexpr):
+    """(I + A)^-1 of a strictly lower triangular [16, 16] A (`_unit_lower_solve` of I: its
+    refinement is then a Newton step)."""
+    return _unit_lower_solve(A, tl.where(o_n[:, None] == o_n[None, :], 1., 0.), DOT_PRECISION)
 
 
 @triton.jit
@@ -584,6 +591,28 @@ def _fold_pending_tile(p_S, stride_sk, kp, dp, gp, i_b, i_h, P, o_v,
     h = _fold_pending(tl.load(p_S + ks_all[:, None] * stride_sk), kp, dp, gp, i_b, i_h, P, ks_all, o_v, H, K, V)
     tl.store(p_S + ks_all[:, None] * stride_sk, h)
     tl.debug_barrier()        # the K pass reads the tile through other threads
+
+
+@triton.jit
+def _k_pass(p_S, stride_sk, q, k, rows, m_n, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+            BV: tl.constexpr, GRAM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One pass over the key dim of a [K, BV] state tile: K S0 and Q S0 [BN, BV], and with
+    GRAM the Gram matrices K K^T and Q K^T [BN, BN] too (zeros without)."""
+    kk = tl.zeros([BN, BN], dtype=tl.float32)
+    qk = tl.zeros([BN, BN], dtype=tl.float32)
+    ks = tl.zeros([BN, BV], dtype=tl.float32)
+    qs = tl.zeros([BN, BV], dtype=tl.float32)
+    for i_k in range(K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_S = tl.load(p_S + o_k[:, None] * stride_sk)
+        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+        if GRAM:
+            kk += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
+            qk += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
+        ks += tl.dot(b_k, b_S, input_precision=DOT_PRECISION)
+        qs += tl.dot(b_q, b_S, input_precision=DOT_PRECISION)
+    return ks, qs, kk, qk
 
 
 @triton.jit
@@ -609,39 +638,17 @@ def _parallel_tile(
     i_b, i_h, i_bh, o_n, m_n, rows, o_v = _node_tile(N, H, BN, BV, i_v, i_bh)
     anc, G, decay = _tree_paths(g, parents, o_n, m_n, i_b, i_h, N, H, CHAIN)
 
-    kk = tl.zeros([BN, BN], dtype=tl.float32)
-    qk = tl.zeros([BN, BN], dtype=tl.float32)
-    ks = tl.zeros([BN, BV], dtype=tl.float32)               # K S0
-    qs = tl.zeros([BN, BV], dtype=tl.float32)               # Q S0
     p_S = S + i_b * stride_sb + i_h * stride_sh + o_v[None, :] * stride_sv
     if HAS_PENDING:
         _fold_pending_tile(p_S, stride_sk, kp, dp, gp, i_b, i_h, P, o_v, H, K, V)
-    for i_k in range(K // BK):
-        o_k = i_k * BK + tl.arange(0, BK)
-        b_S = tl.load(p_S + o_k[:, None] * stride_sk)
-        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
-        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
-        kk += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
-        qk += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
-        ks += tl.dot(b_k, b_S, input_precision=DOT_PRECISION)
-        qs += tl.dot(b_q, b_S, input_precision=DOT_PRECISION)
+    ks, qs, kk, qk = _k_pass(p_S, stride_sk, q, k, rows, m_n, K, BN, BK, BV, True, DOT_PRECISION)
 
     b_beta = tl.load(beta + rows, mask=m_n, other=0.).to(tl.float32)
     strict = anc & (o_n[:, None] != o_n[None, :])
     A = tl.where(strict, b_beta[:, None] * decay * kk, 0.)
     eG = tl.exp(G)
     b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
-    rhs = b_beta[:, None] * (b_v - eG[:, None] * ks)
-    A2 = tl.dot(A, A, input_precision=DOT_PRECISION)
-    A4 = tl.dot(A2, A2, input_precision=DOT_PRECISION)
-    A8 = tl.dot(A4, A4, input_precision=DOT_PRECISION)
-    u = _inverse_times(A, A2, A4, A8, rhs, DOT_PRECISION)
-    if tl.max(tl.max(tl.abs(A), 1), 0) > 0.5:
-        # one step of refinement: the residual's terms are bounded (|A| <= 1, u bounded), so
-        # it is accurate where the product form's large intermediate terms are not. With
-        # every |A_ij| <= 1/2 they stay small: relative error 8e-7 at N = 16 unrefined.
-        u += _inverse_times(A, A2, A4, A8, rhs - u - tl.dot(A, u, input_precision=DOT_PRECISION),
-                            DOT_PRECISION)
+    u = _unit_lower_solve(A, b_beta[:, None] * (b_v - eG[:, None] * ks), DOT_PRECISION)
     b_o = eG[:, None] * qs + tl.dot(decay * qk, u, input_precision=DOT_PRECISION)
     m_out = m_n[:, None]
     tl.store(o + rows[:, None] * V + o_v[None, :], b_o, mask=m_out)
@@ -699,18 +706,10 @@ def _parallel_solve_kernel(
     built by every V tile of the head, so the K pass has two products instead of four and
     no dependent chain of [16, 16] products follows it."""
     i_b, i_h, i_bh, o_n, m_n, rows, o_v = _node_tile(N, H, BN, BV, tl.program_id(0), tl.program_id(1))
-    ks = tl.zeros([BN, BV], dtype=tl.float32)               # K S0
-    qs = tl.zeros([BN, BV], dtype=tl.float32)               # Q S0
     p_S = S + i_b * stride_sb + i_h * stride_sh + o_v[None, :] * stride_sv
     if HAS_PENDING:
         _fold_pending_tile(p_S, stride_sk, kp, dp, gp, i_b, i_h, P, o_v, H, K, V)
-    for i_k in range(K // BK):
-        o_k = i_k * BK + tl.arange(0, BK)
-        b_S = tl.load(p_S + o_k[:, None] * stride_sk)
-        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
-        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
-        ks += tl.dot(b_k, b_S, input_precision=DOT_PRECISION)
-        qs += tl.dot(b_q, b_S, input_precision=DOT_PRECISION)
+    ks, qs, _, _ = _k_pass(p_S, stride_sk, q, k, rows, m_n, K, BN, BK, BV, False, DOT_PRECISION)
 
     o_nn = i_bh.to(tl.int64) * BN * BN + o_n[:, None] * BN + o_n[None, :]
     eG = tl.exp(tl.load(Gin + i_bh * BN + o_n))
