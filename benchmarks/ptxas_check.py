@@ -149,10 +149,6 @@ def verify_launches(pending: int = 8) -> list[tuple[str, tuple]]:
             *x, torch.arange(-1, N - 1), True, pend, z(1, N, H, K), z(1, N, H, K)),
             ["_parallel_kernel"], triton_verify)[0]
         out.append((f"K={K} N={N} P={pending}", launch))
-        launches = recorded_launches(lambda: triton_verify._gram_parallel_verify(
-            *x, torch.arange(-1, N - 1), True, pend, z(1, N, H, K), z(1, N, H, K)),
-            ["_tree_gram_kernel", "_parallel_solve_kernel"], triton_verify)
-        out += [(f"K={K} N={N} P={pending} gram_parallel", launch) for launch in launches]
     L, D, H, K, V, W, I, vocab = STEP_SHAPES["embedded"]
     wt = random_weights(L, D, H, K, V, W, I, vocab, torch.bfloat16, "cpu", False, 0)
     n, C = 16, H * (2 * K + V)

@@ -16,14 +16,11 @@ x / sqrt(sum(x^2) + 1e-6), g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels.l2_prefetch import l2_prefetch_share, prefetch_args
-from kernels.triton_verify import DOT_PRECISION, PARALLEL_MAX_NODES, _head_gram
 
 
 @triton.jit
@@ -110,43 +107,28 @@ def _conv_gates_node(x, x_row_stride, window, window_stride, index, weight, bias
 def _conv_gates_kernel(x, x_row_stride, window, window_stride, index, weight, bias,
                        a, b, ab_row_stride, neg_A, dt_bias,
                        q_out, k_out, v_out, g_out, beta_out, x_out, C, scale, pf, pf_bytes,
-                       parents, arrivals, head_T, head_P, head_G,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
                        HAS_BIAS: tl.constexpr, NEG_EIGVAL: tl.constexpr, COPY_X: tl.constexpr,
-                       PREFETCH: tl.constexpr = 0, HEAD: tl.constexpr = False, CHAIN: tl.constexpr = True):
+                       PREFETCH: tl.constexpr = 0):
     if PREFETCH != 0:   # no weights streamed here: L2 fetches the next kernel's meanwhile
         l2_prefetch_share(pf, pf_bytes, tl.program_id(1) * tl.num_programs(0) + tl.program_id(0),
                           tl.num_programs(0) * H)
-    n, h = tl.program_id(0), tl.program_id(1)
     _conv_gates_node(x, x_row_stride, window, window_stride, index, weight, bias, a, b, ab_row_stride,
                      neg_A, dt_bias, q_out, k_out, v_out, g_out, beta_out, x_out, C, scale,
-                     n, h, H, K, V, W, BK, BV, BW, HAS_BIAS, NEG_EIGVAL, COPY_X)
-    if HEAD:
-        # the last of a head's node programs to arrive builds the head's matrices for the
-        # verification (`_head_gram`) from what all of them stored: one program a head, no
-        # second launch. Every thread's stores land before one thread's release.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(arrivals + h, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(0) - 1:
-            _head_gram(q_out, k_out, g_out, beta_out, parents, head_T, head_P, head_G, 0, h,
-                       tl.num_programs(0), H, K, 16, 32 if K >= 32 else K, DOT_PRECISION, CHAIN, True)
-            tl.store(arrivals + h, 0)       # re-armed: the next launch is stream-ordered after this one
+                     tl.program_id(0), tl.program_id(1), H, K, V, W, BK, BV, BW, HAS_BIAS, NEG_EIGVAL, COPY_X)
 
 
 def conv_gates(x: torch.Tensor, window: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, neg_A: torch.Tensor,
                dt_bias: torch.Tensor, head_dim: int, head_v_dim: int, neg_eigval: bool = False,
                k_out: torch.Tensor | None = None, g_out: torch.Tensor | None = None,
-               x_out: torch.Tensor | None = None, prefetch: torch.Tensor | None = None,
-               head: "HeadBuffers | None" = None):
+               x_out: torch.Tensor | None = None, prefetch: torch.Tensor | None = None):
     """`conv_gates_ref`, in one launch. x [1,N,C] and a, b [1,N,H] may be column slices of
     one projection output (rows strided); window [1,C,W-1] a view of the conv cache. The
     optional outputs receive k [1,N,H,K] and g [1,N,H] (fp32) and a copy of x [1,N,C]: the
     factors a commit needs. Returns (q, k, v, g, beta) as the reference does. prefetch: the next
-    kernel's weights, whose first bytes the programs ask L2 for (`kernels/l2_prefetch.py`).
-    head: the same launch also writes the verification's per-head matrices of these nodes
-    into head.matrices (`triton_verify.verify(head=...)`), for the chain or head.parents' tree."""
+    kernel's weights, whose first bytes the programs ask L2 for (`kernels/l2_prefetch.py`)."""
     _, N, C = x.shape
     H, K, V = a.shape[-1], head_dim, head_v_dim
     W = weight.shape[1]
@@ -169,48 +151,14 @@ def conv_gates(x: torch.Tensor, window: torch.Tensor, index: torch.Tensor, weigh
     if x_out is not None and (tuple(x_out.shape) != (1, N, C) or not x_out.is_contiguous()):
         raise ValueError(f"conv_gates: x_out must be contiguous of shape {(1, N, C)}")
     pf, pf_bytes, pf_mode = prefetch_args(prefetch, dev, N)
-    if head is not None:
-        head.check(N, H, dev)
-    T, P, G = head.matrices if head is not None else (g, g, g)
     _conv_gates_kernel[(N, H)](
         x, x.stride(1), window, window.stride(1), index.contiguous(), weight.contiguous(),
         bias, a, b, a.stride(1), neg_A, dt_bias, q, k, v, g, beta,
         x_out if x_out is not None else x, C, head_dim ** -0.5, x if pf is None else pf, pf_bytes,
-        head.parents if head is not None and head.parents is not None else index,
-        head.arrivals if head is not None else index, T, P, G,
         H=H, K=K, V=V, W=W, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V),
         BW=triton.next_power_of_2(W), HAS_BIAS=bias is not None, NEG_EIGVAL=neg_eigval,
-        COPY_X=x_out is not None, PREFETCH=pf_mode, HEAD=head is not None,
-        CHAIN=head is None or head.parents is None, num_warps=4 if max(K, V) >= 256 else 2)
-    if head is not None:
-        head.written = True
+        COPY_X=x_out is not None, PREFETCH=pf_mode, num_warps=4 if max(K, V) >= 256 else 2)
     return q, k, v, g, beta
-
-
-@dataclasses.dataclass
-class HeadBuffers:
-    """Where `conv_gates(head=...)` writes the verification's per-head matrices of N nodes:
-    `matrices` as `triton_verify.head_matrices` makes them, the tree's parents [N] on the
-    device (None: a chain) and one arrival counter a head (zeros; each launch leaves them so)."""
-    matrices: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    parents: torch.Tensor | None
-    arrivals: torch.Tensor
-    written: bool = False       # set by the last `conv_gates(head=...)`: the verification may read them
-
-    @classmethod
-    def make(cls, heads: int, parents: torch.Tensor | None, device) -> "HeadBuffers":
-        from kernels.triton_verify import head_matrices
-        return cls(head_matrices(1, heads, device), parents,
-                   torch.zeros(heads, device=device, dtype=torch.int32))
-
-    def check(self, N: int, H: int, device) -> None:
-        if not 1 <= N <= PARALLEL_MAX_NODES:
-            raise ValueError(f"conv_gates: head matrices take 1 to {PARALLEL_MAX_NODES} nodes, not {N}")
-        if self.arrivals.shape != (H,) or self.arrivals.device != device or self.matrices[0].shape[0] != H:
-            raise ValueError(f"conv_gates: head buffers are for {self.matrices[0].shape[0]} heads on "
-                             f"{self.arrivals.device}, not {H} on {device}")
-        if self.parents is not None and (self.parents.shape != (N,) or self.parents.device != device):
-            raise ValueError(f"conv_gates: head.parents must be [{N}] on {device}")
 
 
 @triton.jit

@@ -6,7 +6,6 @@ Each kernel computes what a plain-torch reference in `kernels/reference.py` comp
     verify("hybrid")  `_walk_kernel` (SCHEDULED=True), per wave     hybrid_verify_ref
     verify("tree")    `_parallel_kernel` (N <= PARALLEL_MAX_NODES)  tree_verify_ref
                       else `_tree_gram_kernel` + `_tree_solve_kernel`
-    either, N <= 16   `_tree_gram_kernel` (INVERT) + `_parallel_solve_kernel` ("gram_parallel")
     commit()          `_commit_kernel`                              commit_ref
 
 Shapes as in the references: q, k [B,N,H,K]; v [B,N,H,V]; g, beta [B,N,H]; S0 [B,H,K,V]
@@ -46,20 +45,7 @@ PARALLEL_MAX_NODES = 16
 # 12.9 us a layer at the GDN-1.3B shape, 5.5 against 5.2-7.7 at the embedded), the parallel
 # form from 9 (12.9 against 14.9; 5.2 against 9.0). H200, benchmarks/results/h200/session12/.
 CHAIN_PARALLEL_MIN_NODES = 6
-FORMS = {"chain": ("walk", "parallel", "gram_parallel"), "tree": ("parallel", "gram_parallel", "gram_solve"),
-         "hybrid": ("walk",)}
-# Where the parallel form's per-head Gram matrices and (I + A)^-1 are built (up to 16 nodes):
-# None, by every (head, V tile) program itself ("parallel"); "launch", once a head by a launch
-# of their own ("gram_parallel"); "conv", once a head by the conv + gates launch in front of
-# the verification where the runtime passes it the buffers (`head_apart`), else as "launch".
-GRAM_APART: str | None = None
-
-
-def head_apart(mode: str, N: int) -> bool:
-    """Whether a per-op verification of N nodes in `mode` takes its per-head matrices from the
-    conv + gates launch (GRAM_APART "conv"; `kernels.triton_conv_gates.HeadBuffers`)."""
-    parallel = (CHAIN_PARALLEL_MIN_NODES if mode == "chain" else 1) <= N <= PARALLEL_MAX_NODES
-    return GRAM_APART == "conv" and mode in ("chain", "tree") and parallel
+FORMS = {"chain": ("walk", "parallel"), "tree": ("parallel", "gram_solve"), "hybrid": ("walk",)}
 MAX_K, MAX_V = 256, 512     # a [K, BV] state tile lives in registers; V is tiled
 # fp32 products of the tree kernels. Triton's default for an fp32 tl.dot on a GPU is tf32
 # (~1e-3 relative error, too coarse to match the serial recurrence); "ieee" is plain fp32
@@ -403,8 +389,7 @@ def _tree_paths(g, parents, o_n, m_n, i_b, i_h, N, H: tl.constexpr, CHAIN: tl.co
     one parent per iteration (depth iterations), so a graph replays with any tree written
     into `parents`. A chain (CHAIN) is the lower triangle and a cumsum.
     """
-    # .cg (past L1): `_head_gram` may read g written by other programs of the same launch
-    b_g = tl.load(g + (i_b * N + o_n) * H + i_h, mask=m_n, other=0., cache_modifier=".cg").to(tl.float32)
+    b_g = tl.load(g + (i_b * N + o_n) * H + i_h, mask=m_n, other=0.).to(tl.float32)
     if CHAIN:
         anc = o_n[None, :] <= o_n[:, None]
         G = tl.cumsum(b_g, 0)
@@ -417,27 +402,28 @@ def _tree_paths(g, parents, o_n, m_n, i_b, i_h, N, H: tl.constexpr, CHAIN: tl.co
             climbed += 1
             up = cur >= 0
             anc = anc | (cur[:, None] == o_n[None, :])
-            G += tl.load(g + (i_b * N + cur) * H + i_h, mask=up, other=0., cache_modifier=".cg").to(tl.float32)
+            G += tl.load(g + (i_b * N + cur) * H + i_h, mask=up, other=0.).to(tl.float32)
             cur = tl.load(parents + cur, mask=up, other=-1).to(tl.int32)
     # exp only where masked in: G_i - G_j between branches can be large and positive
     decay = tl.where(anc, tl.exp(tl.where(anc, G[:, None] - G[None, :], 0.)), 0.)
     return anc, G, decay
 
 
-@triton.jit
-def _head_gram(q, k, g, beta, parents, A, Pm, Gout, i_b, i_h, N,
-               H: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, CHAIN: tl.constexpr, INVERT: tl.constexpr):
-    """One (batch, head)'s [BN, BN] matrices A (or, with INVERT and BN = 16, (I + A)^-1, by
-    `_inverse`) and P = decay * (Q K^T), and its G, into slot i_b * H + i_h. Loads bypass L1
-    (.cg): a caller may have had other programs write q, k, g and beta in the same launch."""
-    i_bh = i_b * H + i_h
+@triton.jit(do_not_specialize=["N"])
+def _tree_gram_kernel(
+    q, k, g, beta, parents, A, Pm, Gout, N,
+    H: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Per (batch, head): the [BN, BN] matrices A and P = decay * (Q K^T), and G."""
+    i_bh = tl.program_id(0)
+    i_b, i_h = i_bh // H, i_bh % H
     o_n = tl.arange(0, BN)
     m_n = o_n < N
     rows = (i_b * N + o_n) * H + i_h
 
-    anc, G, decay = _tree_paths(g, parents, o_n, m_n, i_b, i_h, N, H, CHAIN)
-    b_beta = tl.load(beta + rows, mask=m_n, other=0., cache_modifier=".cg").to(tl.float32)
+    anc, G, decay = _tree_paths(g, parents, o_n, m_n, i_b, i_h, N, H, False)
+    b_beta = tl.load(beta + rows, mask=m_n, other=0.).to(tl.float32)
     o_nn = i_bh.to(tl.int64) * BN * BN + o_n[:, None] * BN + o_n[None, :]
 
     # Gram matrices over the key dim, one after the other to keep one [BN, BN] accumulator
@@ -445,37 +431,19 @@ def _head_gram(q, k, g, beta, parents, A, Pm, Gout, i_b, i_h, N,
     kk = tl.zeros([BN, BN], dtype=tl.float32)
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.,
-                      cache_modifier=".cg").to(tl.float32)
+        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
         kk += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
     strict = anc & (o_n[:, None] != o_n[None, :])
-    b_A = tl.where(strict, b_beta[:, None] * decay * kk, 0.)
-    if INVERT:
-        b_A = _inverse(b_A, o_n, DOT_PRECISION)
-    tl.store(A + o_nn, b_A)
+    tl.store(A + o_nn, tl.where(strict, b_beta[:, None] * decay * kk, 0.))
 
     qk = tl.zeros([BN, BN], dtype=tl.float32)
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.,
-                      cache_modifier=".cg").to(tl.float32)
-        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.,
-                      cache_modifier=".cg").to(tl.float32)
+        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
         qk += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
     tl.store(Pm + o_nn, decay * qk)
     tl.store(Gout + i_bh * BN + o_n, G)
-
-
-@triton.jit(do_not_specialize=["N"])
-def _tree_gram_kernel(
-    q, k, g, beta, parents, A, Pm, Gout, N,
-    H: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, CHAIN: tl.constexpr = False, INVERT: tl.constexpr = False,
-):
-    """Per (batch, head): `_head_gram`. With INVERT, for `_parallel_solve_kernel`."""
-    i_bh = tl.program_id(0)
-    _head_gram(q, k, g, beta, parents, A, Pm, Gout, i_bh // H, i_bh % H, N, H, K, BN, BK,
-               DOT_PRECISION, CHAIN, INVERT)
 
 
 @triton.jit
@@ -557,65 +525,6 @@ def _inverse_times(A, A2, A4, A8, x, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _unit_lower_solve(A, x, DOT_PRECISION: tl.constexpr):
-    """(I + A)^-1 x for a strictly lower triangular [16, 16] A: the product form, then where
-    some |A_ij| > 1/2 one step of refinement. The product form's terms can be much larger than
-    the result (`_parallel_tile`); the residual's are bounded (|A| <= 1, the solution bounded),
-    so the refinement is accurate where they are not. With every |A_ij| <= 1/2 they stay small:
-    relative error 8e-7 at N = 16 unrefined."""
-    A2 = tl.dot(A, A, input_precision=DOT_PRECISION)
-    A4 = tl.dot(A2, A2, input_precision=DOT_PRECISION)
-    A8 = tl.dot(A4, A4, input_precision=DOT_PRECISION)
-    u = _inverse_times(A, A2, A4, A8, x, DOT_PRECISION)
-    if tl.max(tl.max(tl.abs(A), 1), 0) > 0.5:
-        u += _inverse_times(A, A2, A4, A8, x - u - tl.dot(A, u, input_precision=DOT_PRECISION), DOT_PRECISION)
-    return u
-
-
-@triton.jit
-def _inverse(A, o_n, DOT_PRECISION: tl.constexpr):
-    """(I + A)^-1 of a strictly lower triangular [16, 16] A (`_unit_lower_solve` of I: its
-    refinement is then a Newton step)."""
-    return _unit_lower_solve(A, tl.where(o_n[:, None] == o_n[None, :], 1., 0.), DOT_PRECISION)
-
-
-@triton.jit
-def _fold_pending_tile(p_S, stride_sk, kp, dp, gp, i_b, i_h, P, o_v,
-                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
-    """Fold the deferred commit into a program's whole [K, BV] state tile in memory before its
-    K pass (as the walk does): folded block by block inside the K pass it cost 2 us a block
-    (H200, GDN-1.3B shape), and in closed form inside it (K S = e^G_T K S0 + (K Kp'^T) Dp)
-    23.3 us a layer against 13.2 for 9 nodes and 8 pending factors (H100,
-    benchmarks/results/h100/session25/)."""
-    ks_all = tl.arange(0, K)
-    h = _fold_pending(tl.load(p_S + ks_all[:, None] * stride_sk), kp, dp, gp, i_b, i_h, P, ks_all, o_v, H, K, V)
-    tl.store(p_S + ks_all[:, None] * stride_sk, h)
-    tl.debug_barrier()        # the K pass reads the tile through other threads
-
-
-@triton.jit
-def _k_pass(p_S, stride_sk, q, k, rows, m_n, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-            BV: tl.constexpr, GRAM: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One pass over the key dim of a [K, BV] state tile: K S0 and Q S0 [BN, BV], and with
-    GRAM the Gram matrices K K^T and Q K^T [BN, BN] too (zeros without)."""
-    kk = tl.zeros([BN, BN], dtype=tl.float32)
-    qk = tl.zeros([BN, BN], dtype=tl.float32)
-    ks = tl.zeros([BN, BV], dtype=tl.float32)
-    qs = tl.zeros([BN, BV], dtype=tl.float32)
-    for i_k in range(K // BK):
-        o_k = i_k * BK + tl.arange(0, BK)
-        b_S = tl.load(p_S + o_k[:, None] * stride_sk)
-        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
-        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
-        if GRAM:
-            kk += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
-            qk += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
-        ks += tl.dot(b_k, b_S, input_precision=DOT_PRECISION)
-        qs += tl.dot(b_q, b_S, input_precision=DOT_PRECISION)
-    return ks, qs, kk, qk
-
-
-@triton.jit
 def _parallel_tile(
     q, k, v, g, beta, parents, S, o, delta,
     stride_sb, stride_sh, stride_sk, stride_sv,
@@ -638,17 +547,47 @@ def _parallel_tile(
     i_b, i_h, i_bh, o_n, m_n, rows, o_v = _node_tile(N, H, BN, BV, i_v, i_bh)
     anc, G, decay = _tree_paths(g, parents, o_n, m_n, i_b, i_h, N, H, CHAIN)
 
+    kk = tl.zeros([BN, BN], dtype=tl.float32)
+    qk = tl.zeros([BN, BN], dtype=tl.float32)
+    ks = tl.zeros([BN, BV], dtype=tl.float32)               # K S0
+    qs = tl.zeros([BN, BV], dtype=tl.float32)               # Q S0
     p_S = S + i_b * stride_sb + i_h * stride_sh + o_v[None, :] * stride_sv
     if HAS_PENDING:
-        _fold_pending_tile(p_S, stride_sk, kp, dp, gp, i_b, i_h, P, o_v, H, K, V)
-    ks, qs, kk, qk = _k_pass(p_S, stride_sk, q, k, rows, m_n, K, BN, BK, BV, True, DOT_PRECISION)
+        # the deferred commit on the whole [K, BV] tile first, as the walk does: folded block
+        # by block inside the K pass it cost 2 us a block (H200, GDN-1.3B shape), and in closed
+        # form inside it (K S = e^G_T K S0 + (K Kp'^T) Dp) 23.3 us a layer against 13.2 for 9
+        # nodes and 8 pending factors (H100, benchmarks/results/h100/session25/)
+        ks_all = tl.arange(0, K)
+        h = _fold_pending(tl.load(p_S + ks_all[:, None] * stride_sk), kp, dp, gp, i_b, i_h, P,
+                          ks_all, o_v, H, K, V)
+        tl.store(p_S + ks_all[:, None] * stride_sk, h)
+        tl.debug_barrier()        # the pass below reads the tile through other threads
+    for i_k in range(K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_S = tl.load(p_S + o_k[:, None] * stride_sk)
+        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+        kk += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
+        qk += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
+        ks += tl.dot(b_k, b_S, input_precision=DOT_PRECISION)
+        qs += tl.dot(b_q, b_S, input_precision=DOT_PRECISION)
 
     b_beta = tl.load(beta + rows, mask=m_n, other=0.).to(tl.float32)
     strict = anc & (o_n[:, None] != o_n[None, :])
     A = tl.where(strict, b_beta[:, None] * decay * kk, 0.)
     eG = tl.exp(G)
     b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
-    u = _unit_lower_solve(A, b_beta[:, None] * (b_v - eG[:, None] * ks), DOT_PRECISION)
+    rhs = b_beta[:, None] * (b_v - eG[:, None] * ks)
+    A2 = tl.dot(A, A, input_precision=DOT_PRECISION)
+    A4 = tl.dot(A2, A2, input_precision=DOT_PRECISION)
+    A8 = tl.dot(A4, A4, input_precision=DOT_PRECISION)
+    u = _inverse_times(A, A2, A4, A8, rhs, DOT_PRECISION)
+    if tl.max(tl.max(tl.abs(A), 1), 0) > 0.5:
+        # one step of refinement: the residual's terms are bounded (|A| <= 1, u bounded), so
+        # it is accurate where the product form's large intermediate terms are not. With
+        # every |A_ij| <= 1/2 they stay small: relative error 8e-7 at N = 16 unrefined.
+        u += _inverse_times(A, A2, A4, A8, rhs - u - tl.dot(A, u, input_precision=DOT_PRECISION),
+                            DOT_PRECISION)
     b_o = eG[:, None] * qs + tl.dot(decay * qk, u, input_precision=DOT_PRECISION)
     m_out = m_n[:, None]
     tl.store(o + rows[:, None] * V + o_v[None, :], b_o, mask=m_out)
@@ -692,75 +631,6 @@ def _parallel_verify(q, k, v, g, beta, S0, parents, chain_nodes, pending, o, del
         num_warps=cfg["num_warps"])
 
 
-@triton.jit(do_not_specialize=["P", "N"])
-def _parallel_solve_kernel(
-    q, k, v, beta, S, o, delta, T, Pm, Gin,
-    stride_sb, stride_sh, stride_sk, stride_sv,
-    kp, dp, gp, P, N,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_PENDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """The "gram_parallel" form's second launch, per (batch, head, V tile): the parallel
-    form with T = (I + A)^-1, P and G read from `_tree_gram_kernel` (INVERT) instead of
-    built by every V tile of the head, so the K pass has two products instead of four and
-    no dependent chain of [16, 16] products follows it."""
-    i_b, i_h, i_bh, o_n, m_n, rows, o_v = _node_tile(N, H, BN, BV, tl.program_id(0), tl.program_id(1))
-    p_S = S + i_b * stride_sb + i_h * stride_sh + o_v[None, :] * stride_sv
-    if HAS_PENDING:
-        _fold_pending_tile(p_S, stride_sk, kp, dp, gp, i_b, i_h, P, o_v, H, K, V)
-    ks, qs, _, _ = _k_pass(p_S, stride_sk, q, k, rows, m_n, K, BN, BK, BV, False, DOT_PRECISION)
-
-    o_nn = i_bh.to(tl.int64) * BN * BN + o_n[:, None] * BN + o_n[None, :]
-    eG = tl.exp(tl.load(Gin + i_bh * BN + o_n))
-    b_beta = tl.load(beta + rows, mask=m_n, other=0.).to(tl.float32)
-    b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
-    u = tl.dot(tl.load(T + o_nn), b_beta[:, None] * (b_v - eG[:, None] * ks), input_precision=DOT_PRECISION)
-    b_o = eG[:, None] * qs + tl.dot(tl.load(Pm + o_nn), u, input_precision=DOT_PRECISION)
-    m_out = m_n[:, None]
-    tl.store(o + rows[:, None] * V + o_v[None, :], b_o, mask=m_out)
-    tl.store(delta + rows[:, None] * V + o_v[None, :], u, mask=m_out)
-
-
-def head_matrices(B: int, H: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Buffers for the "gram_parallel" form's per-head (I + A)^-1, P [B*H, 16, 16] and G
-    [B*H, 16], fp32: what `_head_gram` writes, e.g. from `kernels.triton_conv_gates`."""
-    T = torch.empty((B * H, 16, 16), device=device, dtype=torch.float32)
-    return T, torch.empty_like(T), torch.empty((B * H, 16), device=device, dtype=torch.float32)
-
-
-def _gram_parallel_verify(q, k, v, g, beta, S0, parents, chain_nodes, pending, o, delta,
-                          block_v=None, block_k=None, num_warps=None, dot_precision=None, head=None):
-    """Two launches: per head the Gram matrices, decays and (I + A)^-1 (none when `head`
-    holds them already); then per (head, V tile) the state products and the solve."""
-    B, N, H, K = q.shape
-    V = v.shape[-1]
-    cfg = _parallel_config(N, K, V, block_v, block_k, num_warps)
-    BN, precision = cfg["BN"], dot_precision or DOT_PRECISION
-    if head is None:
-        T, Pm, G = head_matrices(B, H, q.device)
-        _tree_gram_kernel[(B * H,)](q, k, g, beta, parents, T, Pm, G, N, H=H, K=K, BN=BN, BK=min(K, 32),
-                                    DOT_PRECISION=precision, CHAIN=chain_nodes, INVERT=True, num_warps=4)
-    else:
-        T, Pm, G = head
-    kp, dp, gp, P, has_pending = _pending_args(pending, q)
-    _parallel_solve_kernel[(V // cfg["BV"], B * H)](
-        q, k, v, beta, S0, o, delta, T, Pm, G, *_strides(S0),
-        kp, dp, gp, P, N,
-        H=H, K=K, V=V, BN=BN, BK=cfg["BK"], BV=cfg["BV"], HAS_PENDING=has_pending,
-        DOT_PRECISION=precision, num_warps=cfg["num_warps"])
-
-
-def _check_head(head, B: int, H: int, N: int, device, mode: str, form: str | None) -> None:
-    if mode == "hybrid" or form not in (None, "gram_parallel") or N > PARALLEL_MAX_NODES:
-        raise ValueError(f"head matrices are the gram_parallel form's (chain or tree, up to "
-                         f"{PARALLEL_MAX_NODES} nodes), not {mode} / {form} with {N} nodes")
-    shapes = ((B * H, 16, 16), (B * H, 16, 16), (B * H, 16))
-    if len(head) != 3 or any(tuple(t.shape) != shape or t.dtype != torch.float32 or t.device != device
-                             or not t.is_contiguous() for t, shape in zip(head, shapes)):
-        raise ValueError(f"head must be (T, P, G) as head_matrices({B}, {H}) makes them, on {device}")
-
-
 def _tree_config(N: int, K: int, V: int, block_v: int | None = None) -> dict:
     """Tiles and warps of the two tree kernels, chosen from ptxas reports for sm_90 (no
     spills up to BN=64 at K=256; BN=128's gram kernel spills a few hundred bytes).
@@ -782,9 +652,9 @@ def _tree_verify(q, k, v, g, beta, S0, parents, pending, o, delta, block_v, form
     if parents.shape != (N,) or parents.device != q.device:
         raise ValueError(f"topo.parents must be a [{N}] tensor on {q.device}, got "
                          f"{tuple(parents.shape)} on {parents.device}")
-    if form in ("parallel", "gram_parallel"):
-        run = _parallel_verify if form == "parallel" else _gram_parallel_verify
-        run(q, k, v, g, beta, S0, parents, False, pending, o, delta, block_v, **parallel_options)
+    if form == "parallel":
+        _parallel_verify(q, k, v, g, beta, S0, parents, False, pending, o, delta, block_v,
+                         **parallel_options)
         return
     cfg = _tree_config(N, K, V, block_v)
     BN = cfg["BN"]
@@ -854,7 +724,6 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
            out: tuple[torch.Tensor, torch.Tensor] | None = None,
            block_v: int | None = None, num_warps: int | None = None, v_first: bool | None = None,
            form: str | None = None, block_k: int | None = None, dot_precision: str | None = None,
-           head: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Outputs and deltas [B,N,H,V] fp32 of every node of `topo` for one layer.
 
@@ -867,12 +736,7 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     rounded to bf16 / fp16 on store (static buffers for a CUDA graph; tests poison them).
     form: which kernel computes the mode (FORMS; None picks by N): a chain's serial "walk"
     or one-launch "parallel" form (6 <= N <= 16), a tree's one-launch "parallel" form
-    (N <= 16) or its two-launch "gram_solve"; for either, the parallel form with its per-head
-    matrices built by a launch before it, "gram_parallel" (N <= 16; the default where
-    GRAM_APART is set).
-    head: the "gram_parallel" form's per-head matrices (`head_matrices`), already written for
-    these nodes by an earlier launch (`kernels.triton_conv_gates.conv_gates(head=...)`); the
-    form is then "gram_parallel" without its first launch.
+    (N <= 16) or its two-launch "gram_solve".
     For benchmarking, block_v overrides the V tile (every form), num_warps the warps,
     v_first the walk's tile orientation, block_k and dot_precision the parallel form's K
     block and tl.dot precision.
@@ -897,23 +761,17 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                     or t.device != q.device:
                 raise ValueError(f"out tensors must be contiguous [B, N, H, V] = {(B, N, H, V)} "
                                  f"on {q.device}, delta float32 and o one of {OUT_DTYPES}")
-    parallel_options = dict(block_k=block_k, num_warps=num_warps, dot_precision=dot_precision)
-    parallel = "gram_parallel" if GRAM_APART is not None or head is not None else "parallel"
-    if head is not None:
-        _check_head(head, B, H, N, q.device, mode, form)
-        form = "gram_parallel"
-        parallel_options["head"] = head
     if form is None and mode == "tree":
-        form = parallel if N <= PARALLEL_MAX_NODES else "gram_solve"
+        form = "parallel" if N <= PARALLEL_MAX_NODES else "gram_solve"
     elif form is None and mode == "chain":
-        form = parallel if CHAIN_PARALLEL_MIN_NODES <= N <= PARALLEL_MAX_NODES else "walk"
-    if form in ("parallel", "gram_parallel") and N > PARALLEL_MAX_NODES:
-        raise ValueError(f"the {form} form takes up to {PARALLEL_MAX_NODES} nodes, not {N}")
+        form = "parallel" if CHAIN_PARALLEL_MIN_NODES <= N <= PARALLEL_MAX_NODES else "walk"
+    if form == "parallel" and N > PARALLEL_MAX_NODES:
+        raise ValueError(f"the one-launch parallel form takes up to {PARALLEL_MAX_NODES} nodes, not {N}")
+    parallel_options = dict(block_k=block_k, num_warps=num_warps, dot_precision=dot_precision)
     if mode == "chain" and form == "walk":
         _chain_verify(q, k, v, g, beta, S0, pending, o, delta, block_v, num_warps, v_first)
     elif mode == "chain":
-        run = _parallel_verify if form == "parallel" else _gram_parallel_verify
-        run(q, k, v, g, beta, S0, q, True, pending, o, delta, block_v, **parallel_options)
+        _parallel_verify(q, k, v, g, beta, S0, q, True, pending, o, delta, block_v, **parallel_options)
     elif mode == "tree":
         _tree_verify(q, k, v, g, beta, S0, topo.parents, pending, o, delta, block_v, form,
                      **parallel_options)

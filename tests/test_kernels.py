@@ -124,9 +124,8 @@ def check_verify(mode: str, parents: list[int], B: int, H: int, K: int, V: int, 
     return problems
 
 
-def check_repeated_keys(mode: str, n: int, H: int, K: int, V: int, device, seed: int = 0,
-                        form: str = "parallel") -> list[str]:
-    """A parallel form where its repeated squaring rounds worst: every node the same key,
+def check_repeated_keys(mode: str, n: int, H: int, K: int, V: int, device, seed: int = 0) -> list[str]:
+    """The parallel form where its repeated squaring rounds worst: every node the same key,
     beta near 1, little decay (a model repeating itself). Against the reference in float64."""
     from kernels import triton_verify
     parents = chain(n) if mode == "chain" else random_tree(n, seed=seed)
@@ -136,7 +135,7 @@ def check_repeated_keys(mode: str, n: int, H: int, K: int, V: int, device, seed:
     x["g"] = 0.01 * x["g"]
     args = [x[name] for name in ("q", "k", "v", "g", "beta", "S0")]
     o_ref, d_ref = reference.tree_verify_ref(*(a.cpu().double() for a in args), torch.tensor(parents))
-    o, d = triton_verify.verify(mode, *args, make_topo(parents, device), form=form)
+    o, d = triton_verify.verify(mode, *args, make_topo(parents, device), form="parallel")
     errors = {"o": rel_err(o, o_ref), "delta": rel_err(d, d_ref)}
     return [f"{name}: relative error {err:.2e} >= {RTOL:.0e}" for name, err in errors.items() if not err < RTOL]
 
@@ -196,43 +195,6 @@ def check_conv_gates(parents: list[int], H: int, K: int, V: int, W: int, dtype, 
         problems.append("k and g were not written into the factor buffers")
     if not torch.equal(x_out, x):
         problems.append("the conv-input factor is not a copy of x")
-    return problems
-
-
-def check_conv_gates_head(parents: list[int], H: int, K: int, V: int, device, seed: int = 0,
-                          W: int = 4) -> list[str]:
-    """conv_gates writing the verification's per-head matrices (its last-arriving program of
-    each head): the gram_parallel verification that reads them against the reference
-    verification of the reference conv + gates' outputs, fp32; twice, so the arrival counters
-    must have re-armed (a stale count would leave the matrices of the first call)."""
-    from kernels import triton_verify
-    from kernels.triton_conv_gates import HeadBuffers, conv_gates
-    gen = torch.Generator().manual_seed(seed)
-    N, C = len(parents), H * (2 * K + V)
-    chain_nodes = parents == chain(N)
-    head = HeadBuffers.make(H, None if chain_nodes else torch.tensor(parents, device=device), device)
-    window = torch.randn(1, C, W, generator=gen).to(device)[..., 1:]
-    weight = (torch.randn(C, W, generator=gen) * 0.5).to(device)
-    neg_A = -(torch.rand(H, generator=gen) * 2).exp().to(device)
-    dt_bias = (torch.randn(H, generator=gen) * 0.5).to(device)
-    S0 = torch.randn(1, H, K, V, generator=gen).to(device)
-    topo = make_topo(parents, device)
-    problems = []
-    for call in range(2):
-        proj = torch.randn(1, N, C + 2 * H, generator=gen).to(device)
-        args = (proj[..., :C], window, ancestor_windows(parents, W).to(device), weight, None,
-                proj[..., C:C + H], proj[..., C + H:], neg_A, dt_bias, K, V)
-        for t in head.matrices:
-            t.fill_(float("nan"))
-        q, k, v, g, beta = conv_gates(*args, head=head)
-        o, d = triton_verify.verify("chain" if chain_nodes else "tree", q, k, v, g, beta, S0, topo,
-                                    head=head.matrices)
-        want = reference.conv_gates_ref(*(t.cpu() if torch.is_tensor(t) else t for t in args))
-        o_ref, d_ref = reference.tree_verify_ref(*want, S0.cpu(), torch.tensor(parents))
-        problems += [f"call {call}, {name}: relative error {rel_err(got, ref):.2e}"
-                     for name, got, ref in (("o", o, o_ref), ("delta", d, d_ref)) if not rel_err(got, ref) < RTOL]
-        if head.arrivals.any():
-            problems.append(f"call {call}: arrival counters left at {head.arrivals.tolist()}")
     return problems
 
 
@@ -488,9 +450,9 @@ SIZES = {"chain": (1, 2, 5, 16, 33, 64), "wide": (9, 64), "deep": (24, 64),
 
 
 def forms(mode: str, n: int) -> tuple[str, ...]:
-    """The kernels that compute `mode` for n nodes (the parallel forms take up to 16)."""
+    """The kernels that compute `mode` for n nodes (the parallel form takes up to 16)."""
     from kernels.triton_verify import FORMS, PARALLEL_MAX_NODES
-    return tuple(f for f in FORMS[mode] if f not in ("parallel", "gram_parallel") or n <= PARALLEL_MAX_NODES)
+    return tuple(f for f in FORMS[mode] if f != "parallel" or n <= PARALLEL_MAX_NODES)
 
 
 def verify_cases():
@@ -517,9 +479,8 @@ def test_verify_matches_reference(mode, form, topo_name, n, B, H, K, V, P):
 @needs_cuda
 @pytest.mark.parametrize("mode,n", [("chain", 9), ("chain", 16), ("tree", 16)])
 @pytest.mark.parametrize("K,V", [(256, 256), (64, 64)], ids=lambda x: str(x))
-@pytest.mark.parametrize("form", ["parallel", "gram_parallel"])
-def test_parallel_form_on_repeated_keys(mode, n, K, V, form):
-    assert not check_repeated_keys(mode, n, 8 if K == 256 else 6, K, V, "cuda", form=form)
+def test_parallel_form_on_repeated_keys(mode, n, K, V):
+    assert not check_repeated_keys(mode, n, 8 if K == 256 else 6, K, V, "cuda")
 
 
 @needs_cuda
@@ -534,12 +495,11 @@ def test_pending_counts(mode, P):
 @needs_cuda
 @pytest.mark.parametrize("P", [1, 8, 16, 20], ids=lambda p: f"P{p}")
 @pytest.mark.parametrize("mode,n", [("chain", 9), ("tree", 16)])
-@pytest.mark.parametrize("form", ["parallel", "gram_parallel"])
-def test_parallel_form_folds_pending(mode, n, P, form):
+def test_parallel_form_folds_pending(mode, n, P):
     """The pending commit folded into the state tile before the K pass, at the GDN-1.3B head
     shape; 20 pending factors take two blocks."""
     parents = chain(n) if mode == "chain" else random_tree(n, seed=P)
-    problems = check_verify(mode, parents, 1, 8, 256, 256, P, "cuda", seed=200 + P, form=form)
+    problems = check_verify(mode, parents, 1, 8, 256, 256, P, "cuda", seed=200 + P, form="parallel")
     assert not problems, problems
 
 
@@ -590,16 +550,6 @@ def test_commit_matches_reference(T, B, H, K, V):
 def test_conv_gates_matches_reference(topo_name, n, H, K, V, W, bias, dtype):
     parents = TOPOLOGIES[topo_name](n)
     assert not check_conv_gates(parents, H, K, V, W, dtype, bias, "cuda", seed=n + H)
-
-
-@needs_cuda
-@pytest.mark.parametrize("H,K,V", [(8, 256, 256), (6, 64, 64)], ids=lambda x: str(x))
-@pytest.mark.parametrize("topo_name,n", [("chain", 9), ("chain", 16), ("random", 16), ("wide", 9)])
-def test_conv_gates_head_matrices_verify(topo_name, n, H, K, V):
-    """The verification's per-head matrices from conv_gates' last arrivers, at the 1.3B and
-    the embedded head shapes, where programs of a head really do run concurrently."""
-    problems = check_conv_gates_head(TOPOLOGIES[topo_name](n), H, K, V, "cuda", seed=n + H)
-    assert not problems, problems
 
 
 @needs_cuda
@@ -831,9 +781,6 @@ def interpreter_cases(group: str):
                     yield (f"conv_gates-{name}{len(parents)}-H{H}-K{K}-V{V}-W{W}-{dtype}",
                            lambda p=parents, H=H, K=K, V=V, W=W, dt=dtype, bias=bias: check_conv_gates(
                                p, H, K, V, W, dt, bias, dev, seed=len(p) + H))
-        for name, parents in (("chain", chain(9)), ("chain", chain(1)), ("random", random_tree(16, seed=5))):
-            yield (f"conv_gates-head-{name}{len(parents)}-H2-K16-V32",
-                   lambda p=parents: check_conv_gates_head(p, 2, 16, 32, dev, seed=len(p)))
         return
     if group == "step":  # tests/test_conv_recurrent_step.py, test_conv_projection.py, test_greedy.py
         from tests.test_conv_recurrent_step import check_conv_recurrent_step
@@ -903,9 +850,8 @@ def interpreter_cases(group: str):
         topologies.append(("chain" if group == "chain" else "random", chain(17) if group == "chain"
                            else random_tree(17, seed=4)))
         for n in (9, 16):
-            for form in ("parallel", "gram_parallel"):
-                yield (f"{group}-{form}-N{n}-repeated-keys",
-                       lambda n=n, form=form: check_repeated_keys(group, n, 2, 16, 16, dev, seed=n, form=form))
+            yield (f"{group}-parallel-N{n}-repeated-keys",
+                   lambda n=n: check_repeated_keys(group, n, 2, 16, 16, dev, seed=n))
     # every form and the walk's two tile orientations; P=20 folds a pending commit in two blocks
     variants = [{"form": "walk", "v_first": False}, {"form": "walk", "v_first": True}]
     for name, parents in topologies:

@@ -129,14 +129,11 @@ class TorchOps:
             out = out + bias
         return F.silu(out)
 
-    def conv_gates(self, x, a, b, window, index, layer: "PackedLayer", config: GDNConfig, out=None,
-                   head=None):
+    def conv_gates(self, x, a, b, window, index, layer: "PackedLayer", config: GDNConfig, out=None):
         """Conv of x [1,N,C] along each node's path, then the recurrence inputs (q, k, v, g,
         beta) with the gate and beta projections a, b [1,N,H]. `out`
         (k [1,N,H,K], g [1,N,H], x [1,N,C] buffers, or None) receives the commit factors;
-        the k and g returned are those buffers then. `head`
-        (`kernels.triton_conv_gates.HeadBuffers`) receives the verification's per-head matrices
-        where the ops have a kernel for them (then head.written)."""
+        the k and g returned are those buffers then."""
         C = config.conv_channels
         H, K = config.num_heads, config.head_dim
         qkv = self.conv(x, window, index, layer.conv_w, layer.conv_b)
@@ -259,10 +256,9 @@ class FlaOps(TorchOps):
         # fp32 accumulation and one rounding, as fla's conv update kernel does for AR steps
         return reference.tree_conv_ref(x, window, index, weight, bias)
 
-    def conv_gates(self, x, a, b, window, index, layer: "PackedLayer", config: GDNConfig, out=None,
-                   head=None):
+    def conv_gates(self, x, a, b, window, index, layer: "PackedLayer", config: GDNConfig, out=None):
         """`TorchOps.conv_gates` in one Triton launch (`kernels/triton_conv_gates.py`), which
-        writes the factors into `out` and the per-head matrices into `head` itself."""
+        writes the factors into `out` itself."""
         if not self.fused_conv_gates:
             return super().conv_gates(x, a, b, window, index, layer, config, out)
         from kernels.triton_conv_gates import conv_gates
@@ -270,7 +266,7 @@ class FlaOps(TorchOps):
         k_out, g_out, x_out = out if out is not None else (None, None, None)
         return conv_gates(x, window, index, layer.conv_w, layer.conv_b, a, b, layer.neg_A,
                           layer.dt_bias, config.head_dim, config.head_v_dim, config.allow_neg_eigval,
-                          k_out=k_out, g_out=g_out, x_out=x_out, head=head,
+                          k_out=k_out, g_out=g_out, x_out=x_out,
                           **(self._prefetch(layer.w_in) if L2_PREFETCH_IN_STATE_STEPS else {}))
 
     def conv_step(self, x, cache, weight, bias, index1):

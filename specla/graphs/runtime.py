@@ -137,12 +137,10 @@ class PackedTarget:
 
     def tree_forward(self, tokens: torch.Tensor, state: StaticState, conv_index: torch.Tensor,
                      verify_fn: Callable, factors: Factors | None = None,
-                     feature_layers: tuple[int, ...] = (), head=None):
+                     feature_layers: tuple[int, ...] = ()):
         """All nodes of a draft tree (tokens [1,N], -1 = dummy) from `state`, which only
         `verify_fn(layer, q, k, v, g, beta, S, out)` may write (to fold a pending commit in);
-        `out` is None or the (o, delta) buffers it may fill and return. `head`
-        (`kernels.triton_conv_gates.HeadBuffers`, or None) is passed to each layer's conv +
-        gates, whose ops may write the verification's per-head matrices there for verify_fn.
+        `out` is None or the (o, delta) buffers it may fill and return.
 
         Returns logits [N, vocab] fp32, last hidden [N, D], features [N, F, D] or None; the
         factors of every node are written into `factors` ([L,1,N,...] buffers).
@@ -157,10 +155,8 @@ class PackedTarget:
                 feats.append(residual)
             conv_in, gate, a, b = self.split_in(y)
             out = None if factors is None else (factors.k[l], factors.g[l], factors.conv_in[l])
-            if head is not None:
-                head.written = False
             q, k, v, g, beta = ops.conv_gates(conv_in, a, b, state.conv[l][..., 1:], conv_index,
-                                              layer, c, out, head=head)
+                                              layer, c, out)
             # the deltas are factors: the kernels write them straight into the commit buffer;
             # the outputs in the model's dtype, the gated norm's input (no conversion launch)
             out = None if factors is None else (torch.empty_like(factors.delta[l], dtype=self.dtype),

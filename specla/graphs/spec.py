@@ -343,7 +343,6 @@ class GraphedSpec:
             self.verify_note += ", then greedy acceptance in the same launch"
         if n > state.log.nodes:
             raise ValueError(f"a draft of {n} nodes does not fit the step log ({state.log.nodes} nodes)")
-        self.head = self._head_buffers(n)
         self.tokens = torch.tensor([tree.tokens], dtype=torch.long, device=dev)
         self.factors = rt.new_factors(n)
         self.logits = torch.zeros(n, c.vocab_size, device=dev)
@@ -397,19 +396,6 @@ class GraphedSpec:
             self.compile_error = f"{type(err).__name__}: {str(err)[:300]}"
             self._capture_once(phase)
 
-    def _head_buffers(self, n: int):
-        """Buffers for the per-head matrices the conv + gates launch builds for a per-op
-        verification's parallel form (`kernels.triton_verify.head_apart`), or None."""
-        if self.chain_verify is not None or self.recurrence != "kernels" or self.rt.device.type != "cuda":
-            return None
-        from kernels import triton_verify
-        from kernels.triton_conv_gates import HeadBuffers
-
-        if not triton_verify.head_apart(self.mode, n):
-            return None
-        parents = None if self.mode == "chain" else self.topo.model_topo.parents
-        return HeadBuffers.make(self.rt.config.num_heads, parents, self.rt.device)
-
     # ---- phases
     def _verify_layer(self, l, q, k, v, g, beta, S, out=None):
         from specla.verify import verify_layer
@@ -418,9 +404,7 @@ class GraphedSpec:
         pending = (st.pk[l], st.pd[l], st.pg[l]) if self.deferred else None
         if self.recurrence == "torch":
             return torch_tree_verify(q, k, v, g, beta, S, self.topo, pending)
-        head = self.head.matrices if self.head is not None and self.head.written else None
-        return verify_layer(self.mode, q, k, v, g, beta, S, self.topo.model_topo, pending=pending, out=out,
-                            head=head)
+        return verify_layer(self.mode, q, k, v, g, beta, S, self.topo.model_topo, pending=pending, out=out)
 
     def verify(self) -> None:
         st = self.state
@@ -433,8 +417,7 @@ class GraphedSpec:
             return
         self.tokens[0, :1].copy_(self.state.root)
         logits, hidden, feats = self.rt.tree_forward(self.tokens, self.state.cache, self.topo.conv_index,
-                                                     self._verify_layer, self.factors, self.feature_layers,
-                                                     head=self.head)
+                                                     self._verify_layer, self.factors, self.feature_layers)
         self.logits.copy_(logits)
         self.last_hidden.copy_(hidden)
         if feats is not None:
