@@ -404,7 +404,9 @@ class GraphedSpec:
         pending = (st.pk[l], st.pd[l], st.pg[l]) if self.deferred else None
         if self.recurrence == "torch":
             return torch_tree_verify(q, k, v, g, beta, S, self.topo, pending)
-        return verify_layer(self.mode, q, k, v, g, beta, S, self.topo.model_topo, pending=pending, out=out)
+        # the fused conv + gates launch, just before, lets the verification start early
+        return verify_layer(self.mode, q, k, v, g, beta, S, self.topo.model_topo, pending=pending, out=out,
+                            fold_early=getattr(self.rt.ops, "fused_conv_gates", False))
 
     def verify(self) -> None:
         st = self.state
