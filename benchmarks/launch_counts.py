@@ -34,7 +34,6 @@ sys.path.insert(0, str(ROOT))
 
 from kernels import l2_prefetch, pdl  # noqa: E402
 from kernels import triton_projection as projection, triton_recurrent_step as recurrent_step  # noqa: E402
-from kernels import triton_verify  # noqa: E402
 from specla.graphs import ops as graph_ops  # noqa: E402
 from specla.graphs import draft_step, whole_step  # noqa: E402
 from specla import runner  # noqa: E402
@@ -195,9 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                         "weights into L2 (kernels/l2_prefetch.py), +pfnorec / +pfrec: the AR recurrence and the "
                         "conv + gates do not / do, +pfstart: the projections prefetch at their start, not their "
                         "end, +pfcapN: at most N MB of a matrix from a kernel of one or two rows, +pfrowsN: from "
-                        "a kernel of more rows, +pfevict: the GEMV projections' weight loads evict-first; "
-                        "+nofoldearly: the per-op verification's parallel form launched plainly, not early under "
-                        "the conv + gates launch (FOLD_EARLY in kernels/triton_verify.py)")
+                        "a kernel of more rows, +pfevict: the GEMV projections' weight loads evict-first")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
     p.add_argument("--speed-limit", type=int, default=8)
     p.add_argument("--tokens", type=int, default=128)
@@ -223,7 +220,6 @@ def main(argv: list[str] | None = None) -> int:
     swap_min_bytes, few_blocks = projection.SWAP_MIN_BYTES, projection.FEW_BLOCKS_TILING
     prefetch_at, prefetch_max, prefetch_max_rows = l2_prefetch.AT, l2_prefetch.MAX_BYTES, l2_prefetch.MAX_BYTES_ROWS
     stream_evict, prefetch_state = projection.STREAM_EVICT_FIRST, graph_ops.L2_PREFETCH_IN_STATE_STEPS
-    fold_early = triton_verify.FOLD_EARLY
     for name in args.ops.split(","):
         ops, *flags = name.split("+")
         pdl.use_pdl("nopdl" not in flags)
@@ -248,7 +244,6 @@ def main(argv: list[str] | None = None) -> int:
                                           prefetch_max_rows)
         projection.FEW_BLOCKS_TILING = next((tuple(int(n) for n in f[3:].split(".")) for f in flags
                                              if f.startswith("few")), few_blocks)
-        triton_verify.FOLD_EARLY = fold_early and "nofoldearly" not in flags
         try:
             variant, engine = count_bodies(runtime, ops, args)
             variant["pdl"] = pdl.pdl_applies(runtime.device)
@@ -269,7 +264,6 @@ def main(argv: list[str] | None = None) -> int:
             l2_prefetch.AT, l2_prefetch.MAX_BYTES = prefetch_at, prefetch_max
             l2_prefetch.MAX_BYTES_ROWS = prefetch_max_rows
             projection.STREAM_EVICT_FIRST = stream_evict
-            triton_verify.FOLD_EARLY = fold_early
         result["variants"][name] = variant
         (args.out / "launch_counts.json").write_text(json.dumps(result, indent=1))   # kept if a later set fails
     return 0

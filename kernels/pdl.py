@@ -10,9 +10,7 @@ kernel signalling at its top, the kernels still running may be several launches 
 Used by the GEMV form of the fused projections (`kernels/triton_projection.py`), which
 loads its first weight tile before the wait: the embedded model's AR step is 11% faster
 with it on the H200 (benchmarks/results/h200/session12/). With nothing to do before the
-wait (the tl.dot form at 9 rows) a kernel was slower with it, so the others launch plainly; the
-verification's parallel form, which folds its pending commit before the wait, is launched with it
-after the conv + gates kernel (`triton_verify.verify(fold_early=True)`).
+wait (the tl.dot form at 9 rows) a kernel was slower with it, so the others launch plainly.
 On by default (`use_pdl`); applies on sm_90+ with compiled Triton, not the interpreter. A
 kernel takes a `PDL: tl.constexpr` and is launched with `**launch_options(device)`.
 """

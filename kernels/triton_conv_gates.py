@@ -21,7 +21,6 @@ import triton
 import triton.language as tl
 
 from kernels.l2_prefetch import l2_prefetch_share, prefetch_args
-from kernels.pdl import gdc_launch_dependents, pdl_applies
 
 
 @triton.jit
@@ -111,9 +110,7 @@ def _conv_gates_kernel(x, x_row_stride, window, window_stride, index, weight, bi
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
                        HAS_BIAS: tl.constexpr, NEG_EIGVAL: tl.constexpr, COPY_X: tl.constexpr,
-                       PREFETCH: tl.constexpr = 0, SIGNAL: tl.constexpr = False):
-    if SIGNAL:   # the verification after it may start (its pending fold reads nothing written here)
-        gdc_launch_dependents()
+                       PREFETCH: tl.constexpr = 0):
     if PREFETCH != 0:   # no weights streamed here: L2 fetches the next kernel's meanwhile
         l2_prefetch_share(pf, pf_bytes, tl.program_id(1) * tl.num_programs(0) + tl.program_id(0),
                           tl.num_programs(0) * H)
@@ -131,10 +128,7 @@ def conv_gates(x: torch.Tensor, window: torch.Tensor, index: torch.Tensor, weigh
     one projection output (rows strided); window [1,C,W-1] a view of the conv cache. The
     optional outputs receive k [1,N,H,K] and g [1,N,H] (fp32) and a copy of x [1,N,C]: the
     factors a commit needs. Returns (q, k, v, g, beta) as the reference does. prefetch: the next
-    kernel's weights, whose first bytes the programs ask L2 for (`kernels/l2_prefetch.py`).
-    Under programmatic dependent launch every program signals its dependents at its top: a
-    verification launched early (`triton_verify.verify(fold_early=True)`) folds its pending
-    commit meanwhile."""
+    kernel's weights, whose first bytes the programs ask L2 for (`kernels/l2_prefetch.py`)."""
     _, N, C = x.shape
     H, K, V = a.shape[-1], head_dim, head_v_dim
     W = weight.shape[1]
@@ -163,8 +157,7 @@ def conv_gates(x: torch.Tensor, window: torch.Tensor, index: torch.Tensor, weigh
         x_out if x_out is not None else x, C, head_dim ** -0.5, x if pf is None else pf, pf_bytes,
         H=H, K=K, V=V, W=W, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V),
         BW=triton.next_power_of_2(W), HAS_BIAS=bias is not None, NEG_EIGVAL=neg_eigval,
-        COPY_X=x_out is not None, PREFETCH=pf_mode, SIGNAL=pdl_applies(dev),
-        num_warps=4 if max(K, V) >= 256 else 2)
+        COPY_X=x_out is not None, PREFETCH=pf_mode, num_warps=4 if max(K, V) >= 256 else 2)
     return q, k, v, g, beta
 
 

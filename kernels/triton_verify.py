@@ -31,7 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import gdc_wait, launch_options
 from kernels.reference import heavy_light_chains
 
 MODES = ("chain", "tree", "hybrid")
@@ -47,10 +46,6 @@ PARALLEL_MAX_NODES = 16
 # form from 9 (12.9 against 14.9; 5.2 against 9.0). H200, benchmarks/results/h200/session12/.
 CHAIN_PARALLEL_MIN_NODES = 6
 FORMS = {"chain": ("walk", "parallel"), "tree": ("parallel", "gram_solve"), "hybrid": ("walk",)}
-# A parallel-form verification told that the launch before it signals its dependents early
-# (`verify(fold_early=True)`: the conv + gates kernel) is launched with programmatic dependent
-# launch and folds its pending commit while that kernel runs (`_parallel_tile`).
-FOLD_EARLY = True
 MAX_K, MAX_V = 256, 512     # a [K, BV] state tile lives in registers; V is tiled
 # fp32 products of the tree kernels. Triton's default for an fp32 tl.dot on a GPU is tf32
 # (~1e-3 relative error, too coarse to match the serial recurrence); "ieee" is plain fp32
@@ -536,13 +531,10 @@ def _parallel_tile(
     kp, dp, gp, P, N, i_v, i_bh,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    CHAIN: tl.constexpr, HAS_PENDING: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    CHAIN: tl.constexpr, HAS_PENDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """The whole parallel form of one (batch, head, V tile): `_parallel_kernel`'s program
-    (i_v, i_bh), or a unit of a persistent kernel's phase. With PDL (launched early under
-    programmatic dependent launch) the pending commit is folded before `gdc_wait`: it reads
-    only the state and the factors, which the kernel running then (the conv + gates) does not
-    write, so the fold overlaps that kernel instead of following it.
+    (i_v, i_bh), or a unit of a persistent kernel's phase.
 
     One pass over K builds K K^T, Q K^T, K S0 and Q S0 (after folding `pending` into the
     program's S0 tile and writing it back). A is strictly lower triangular, so nilpotent
@@ -553,6 +545,12 @@ def _parallel_tile(
     where some |A_ij| > 1/2.
     """
     i_b, i_h, i_bh, o_n, m_n, rows, o_v = _node_tile(N, H, BN, BV, i_v, i_bh)
+    anc, G, decay = _tree_paths(g, parents, o_n, m_n, i_b, i_h, N, H, CHAIN)
+
+    kk = tl.zeros([BN, BN], dtype=tl.float32)
+    qk = tl.zeros([BN, BN], dtype=tl.float32)
+    ks = tl.zeros([BN, BV], dtype=tl.float32)               # K S0
+    qs = tl.zeros([BN, BV], dtype=tl.float32)               # Q S0
     p_S = S + i_b * stride_sb + i_h * stride_sh + o_v[None, :] * stride_sv
     if HAS_PENDING:
         # the deferred commit on the whole [K, BV] tile first, as the walk does: folded block
@@ -564,14 +562,6 @@ def _parallel_tile(
                           ks_all, o_v, H, K, V)
         tl.store(p_S + ks_all[:, None] * stride_sk, h)
         tl.debug_barrier()        # the pass below reads the tile through other threads
-    if PDL:
-        gdc_wait()                # the nodes' q, k, v, g, beta: the kernel before this one's
-    anc, G, decay = _tree_paths(g, parents, o_n, m_n, i_b, i_h, N, H, CHAIN)
-
-    kk = tl.zeros([BN, BN], dtype=tl.float32)
-    qk = tl.zeros([BN, BN], dtype=tl.float32)
-    ks = tl.zeros([BN, BV], dtype=tl.float32)               # K S0
-    qs = tl.zeros([BN, BV], dtype=tl.float32)               # Q S0
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         b_S = tl.load(p_S + o_k[:, None] * stride_sk)
@@ -611,12 +601,12 @@ def _parallel_kernel(
     kp, dp, gp, P, N,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    CHAIN: tl.constexpr, HAS_PENDING: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    CHAIN: tl.constexpr, HAS_PENDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """The whole parallel form of one (batch, head, V tile) a program (`_parallel_tile`)."""
     _parallel_tile(q, k, v, g, beta, parents, S, o, delta, stride_sb, stride_sh, stride_sk, stride_sv,
                    kp, dp, gp, P, N, tl.program_id(0), tl.program_id(1), H, K, V, BN, BK, BV,
-                   CHAIN, HAS_PENDING, DOT_PRECISION, PDL)
+                   CHAIN, HAS_PENDING, DOT_PRECISION)
 
 
 def _parallel_config(N: int, K: int, V: int, block_v: int | None = None, block_k: int | None = None,
@@ -628,19 +618,17 @@ def _parallel_config(N: int, K: int, V: int, block_v: int | None = None, block_k
 
 
 def _parallel_verify(q, k, v, g, beta, S0, parents, chain_nodes, pending, o, delta,
-                     block_v=None, block_k=None, num_warps=None, dot_precision=None, fold_early=False):
+                     block_v=None, block_k=None, num_warps=None, dot_precision=None):
     B, N, H, K = q.shape
     V = v.shape[-1]
     cfg = _parallel_config(N, K, V, block_v, block_k, num_warps)
     kp, dp, gp, P, has_pending = _pending_args(pending, q)
-    # launched early only where the fold has something to overlap
-    options = launch_options(q.device) if fold_early and FOLD_EARLY and has_pending else {}
     _parallel_kernel[(V // cfg["BV"], B * H)](
         q, k, v, g, beta, parents, S0, o, delta, *_strides(S0),
         kp, dp, gp, P, N,
         H=H, K=K, V=V, BN=cfg["BN"], BK=cfg["BK"], BV=cfg["BV"],
         CHAIN=chain_nodes, HAS_PENDING=has_pending, DOT_PRECISION=dot_precision or DOT_PRECISION,
-        num_warps=cfg["num_warps"], **options)
+        num_warps=cfg["num_warps"])
 
 
 def _tree_config(N: int, K: int, V: int, block_v: int | None = None) -> dict:
@@ -736,7 +724,7 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
            out: tuple[torch.Tensor, torch.Tensor] | None = None,
            block_v: int | None = None, num_warps: int | None = None, v_first: bool | None = None,
            form: str | None = None, block_k: int | None = None, dot_precision: str | None = None,
-           fold_early: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Outputs and deltas [B,N,H,V] fp32 of every node of `topo` for one layer.
 
     mode: "chain" (nodes 0..N-1 form a chain; `topo` is not read), "tree" (reads
@@ -749,10 +737,6 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     form: which kernel computes the mode (FORMS; None picks by N): a chain's serial "walk"
     or one-launch "parallel" form (6 <= N <= 16), a tree's one-launch "parallel" form
     (N <= 16) or its two-launch "gram_solve".
-    fold_early: the launch before this one signals its dependents at its top and writes
-    neither S0 nor the pending factors (`kernels.triton_conv_gates.conv_gates`, which a
-    verification forward runs just before): the parallel form then starts early and folds the
-    pending commit while that launch runs (FOLD_EARLY; programmatic dependent launch).
     For benchmarking, block_v overrides the V tile (every form), num_warps the warps,
     v_first the walk's tile orientation, block_k and dot_precision the parallel form's K
     block and tl.dot precision.
@@ -764,8 +748,6 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     B, N, H, K, V, P = _check_inputs(q, k, v, g, beta, S0, pending)
     if block_v is not None and (not _is_pow2(block_v) or not 16 <= block_v <= V):
         raise ValueError(f"block_v={block_v} must be a power of two in [16, V={V}]")
-    # a copy made here would be the launch before the verification, and it does not signal
-    fold_early = fold_early and all(t.is_contiguous() for t in (q, k, v, g, beta, *(pending or ())))
     q, k, v, g, beta = _contig(q, k, v, g, beta)
     if P == 0:
         pending = None
@@ -785,8 +767,7 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         form = "parallel" if CHAIN_PARALLEL_MIN_NODES <= N <= PARALLEL_MAX_NODES else "walk"
     if form == "parallel" and N > PARALLEL_MAX_NODES:
         raise ValueError(f"the one-launch parallel form takes up to {PARALLEL_MAX_NODES} nodes, not {N}")
-    parallel_options = dict(block_k=block_k, num_warps=num_warps, dot_precision=dot_precision,
-                            fold_early=fold_early)
+    parallel_options = dict(block_k=block_k, num_warps=num_warps, dot_precision=dot_precision)
     if mode == "chain" and form == "walk":
         _chain_verify(q, k, v, g, beta, S0, pending, o, delta, block_v, num_warps, v_first)
     elif mode == "chain":

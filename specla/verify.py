@@ -43,7 +43,7 @@ def resolve_mode(mode: str, topo, device_type: str = "cuda") -> str:
 def verify_layer(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                  beta: torch.Tensor, S0: torch.Tensor, topo,
                  pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                 out: tuple[torch.Tensor, torch.Tensor] | None = None, fold_early: bool = False,
+                 out: tuple[torch.Tensor, torch.Tensor] | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Outputs and deltas of every node of `topo` for one layer.
 
@@ -51,16 +51,14 @@ def verify_layer(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     from the previous step, [B,P,...]) is given: those are folded into S0 in place first.
     out: (o, delta) buffers, contiguous [B,N,H,V] (delta fp32, o fp32 or the model's dtype)
     that the kernels write directly; the references copy their delta into out[1]. The delta
-    returned is then out[1]. fold_early: the launch before is the fused conv + gates kernel
-    (`kernels.triton_verify.verify(fold_early=...)`); the references ignore it.
+    returned is then out[1].
     """
     mode = resolve_mode(mode, topo, q.device.type)
     # The Triton kernels are inference-only; with autograd on (training our plain-torch model
     # on a GPU) the differentiable references run instead.
     if kernels_apply(S0) and not torch.is_grad_enabled():
         from kernels import triton_verify  # imported lazily: CPU machines need no triton
-        return triton_verify.verify(mode, q, k, v, g, beta, S0, topo, pending=pending, out=out,
-                                    fold_early=fold_early)
+        return triton_verify.verify(mode, q, k, v, g, beta, S0, topo, pending=pending, out=out)
     o, delta = _verify_reference(mode, q, k, v, g, beta, S0, topo, pending)
     if out is None:
         return o, delta

@@ -198,41 +198,6 @@ def check_conv_gates(parents: list[int], H: int, K: int, V: int, W: int, dtype, 
     return problems
 
 
-def check_fold_early(parents: list[int], H: int, K: int, V: int, P: int, device, seed: int = 0,
-                     calls: int = 3, W: int = 4) -> list[str]:
-    """The conv + gates launch, then the verification started early under it
-    (`verify(fold_early=True)`), as a verification forward runs them: outputs, deltas and the
-    folded state against the references, over several calls with fresh inputs (each call's
-    pending commit is folded into the state the previous call left)."""
-    from kernels import triton_verify
-    from kernels.triton_conv_gates import conv_gates
-    gen = torch.Generator().manual_seed(seed)
-    N, C = len(parents), H * (2 * K + V)
-    mode = "chain" if parents == chain(N) else "tree"
-    topo, index = make_topo(parents, device), ancestor_windows(parents, W).to(device)
-    window = torch.randn(1, C, W, generator=gen).to(device)[..., 1:]
-    weight = (torch.randn(C, W, generator=gen) * 0.5).to(device)
-    neg_A = -(torch.rand(H, generator=gen) * 2).exp().to(device)
-    dt_bias = (torch.randn(H, generator=gen) * 0.5).to(device)
-    S = torch.randn(1, H, K, V, generator=gen).to(device)
-    S_ref = S.cpu().clone()     # not S itself on the CPU: the kernel folds into S in place
-    problems = []
-    for call in range(calls):
-        proj = torch.randn(1, N, C + 2 * H, generator=gen).to(device)
-        args = (proj[..., :C], window, index, weight, None, proj[..., C:C + H], proj[..., C + H:],
-                neg_A, dt_bias, K, V)
-        _, pend = random_inputs(1, 1, H, K, V, P, seed + call, device)
-        q, k, v, g, beta = conv_gates(*args)
-        o, d = triton_verify.verify(mode, q, k, v, g, beta, S, topo, pending=pend, fold_early=True)
-        if pend is not None:
-            S_ref = reference.commit_ref(S_ref, *(t.cpu() for t in pend))
-        want = reference.conv_gates_ref(*(t.cpu() if torch.is_tensor(t) else t for t in args))
-        o_ref, d_ref = reference.tree_verify_ref(*want, S_ref, torch.tensor(parents))
-        problems += [f"call {call}, {name}: relative error {rel_err(got, ref):.2e}" for name, got, ref in
-                     (("o", o, o_ref), ("delta", d, d_ref), ("state", S, S_ref)) if not rel_err(got, ref) < RTOL]
-    return problems
-
-
 def check_projection(prologue: str, M: int, K: int, N: int, dtype, device, seed: int = 0,
                      heads: int = 2, **blocks) -> list[str]:
     """One fused projection against its reference, with the inputs laid out as the runtime
@@ -588,16 +553,6 @@ def test_conv_gates_matches_reference(topo_name, n, H, K, V, W, bias, dtype):
 
 
 @needs_cuda
-@pytest.mark.parametrize("H,K,V", [(8, 256, 256), (6, 64, 64)], ids=lambda x: str(x))
-@pytest.mark.parametrize("topo_name,n,P", [("chain", 9, 8), ("chain", 16, 3), ("random", 16, 8), ("chain", 9, 0)])
-def test_verification_folds_early_under_the_conv_gates_launch(topo_name, n, P, H, K, V):
-    """PDL: the parallel form starts while the conv + gates kernel runs and folds its pending
-    commit before it waits; what it computes after the wait uses that kernel's outputs."""
-    problems = check_fold_early(TOPOLOGIES[topo_name](n), H, K, V, P, "cuda", seed=n + P)
-    assert not problems, problems
-
-
-@needs_cuda
 @pytest.mark.parametrize("N,S,V,k", [(1, 7, 4096, 4), (1, 7, 4096, 8), (2, 15, 32000, 8), (1, 3, 50, 1)])
 def test_lattice_topk_matches_candidates(N, S, V, k):
     assert not check_lattice_topk(N, S, V, k, "cuda", seed=V + k)
@@ -826,11 +781,6 @@ def interpreter_cases(group: str):
                     yield (f"conv_gates-{name}{len(parents)}-H{H}-K{K}-V{V}-W{W}-{dtype}",
                            lambda p=parents, H=H, K=K, V=V, W=W, dt=dtype, bias=bias: check_conv_gates(
                                p, H, K, V, W, dt, bias, dev, seed=len(p) + H))
-        # the verification after it, told it may fold early (no PDL in the interpreter: the
-        # arithmetic of the reordered kernel, launched plainly)
-        for name, parents in (("chain", chain(9)), ("random", random_tree(12, seed=1))):
-            yield (f"fold_early-{name}{len(parents)}-H2-K16-V32-P3",
-                   lambda p=parents: check_fold_early(p, 2, 16, 32, 3, dev, seed=len(p), calls=2))
         return
     if group == "step":  # tests/test_conv_recurrent_step.py, test_conv_projection.py, test_greedy.py
         from tests.test_conv_recurrent_step import check_conv_recurrent_step

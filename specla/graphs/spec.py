@@ -404,9 +404,7 @@ class GraphedSpec:
         pending = (st.pk[l], st.pd[l], st.pg[l]) if self.deferred else None
         if self.recurrence == "torch":
             return torch_tree_verify(q, k, v, g, beta, S, self.topo, pending)
-        # the fused conv + gates launch, just before, lets the verification start early
-        return verify_layer(self.mode, q, k, v, g, beta, S, self.topo.model_topo, pending=pending, out=out,
-                            fold_early=getattr(self.rt.ops, "fused_conv_gates", False))
+        return verify_layer(self.mode, q, k, v, g, beta, S, self.topo.model_topo, pending=pending, out=out)
 
     def verify(self) -> None:
         st = self.state
