@@ -316,6 +316,30 @@ def test_graphed_spec_with_fused_projections_equals_its_ar_fp32(shape):
 
 @needs_cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_per_op_verification_equals_ar_fp32(shape):
+    """The per-op verification forward (a large target's: no persistent launch) with the fused
+    ops at a small width: in fp32 speculation reproduces AR token for token, and the state a
+    replay."""
+    _, rt, ar, snap, prompt = setup("cuda", torch.float32, ops="fused")
+    root, n, tree = prompt[-1], 48, SHAPES[shape]
+    cont = ar_tokens(ar, snap, root, n + 4 * (tree.depth + 1))
+    P = tree.depth + 1
+    state = SpecState(rt, max_path=P, capacity=n + 2 * P + 8, max_nodes=len(tree))
+    oracle = DeviceOracle(cont, rt.config.vocab_size, 0.7, max_steps=n + 2 * P + 9, max_nodes=len(tree),
+                          capacity=n + 4 * P + 16, device=rt.device, seed=3)
+    spec = GraphedSpec(rt, state, tree, oracle=oracle, persistent_verify=False)
+    assert spec.chain_verify is None and spec.mode in ("chain", "tree"), spec.verify_note
+    run = oracle_calibrate(spec, ar, snap, root, n)
+    assert not run.divergences and run.tokens[:n] == cont[:n]
+    assert run.steps < n, "the oracle at alpha 0.7 should accept something"
+    spec.state.flush()
+    ar.logits_along(snap, root, run.tokens[:-1])
+    assert torch.allclose(spec.state.cache.recurrent, ar.state.recurrent, rtol=1e-4, atol=1e-5)
+
+
+@needs_cuda
+@pytest.mark.gpu
 def test_fla_graph_equals_fla_eager_and_ours():
     pytest.importorskip("fla.models", reason="fla's models need fla + triton")
     target, rt, ar, snap, prompt = setup("cuda", torch.float32)
