@@ -194,8 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                         "weights into L2 (kernels/l2_prefetch.py), +pfnorec / +pfrec: the AR recurrence and the "
                         "conv + gates do not / do, +pfstart: the projections prefetch at their start, not their "
                         "end, +pfcapN: at most N MB of a matrix from a kernel of one or two rows, +pfrowsN: from "
-                        "a kernel of more rows, +pfevict: the GEMV projections' weight loads evict-first, +pfconv: "
-                        "only the verification's conv + gates prefetches (its layer's output projection)")
+                        "a kernel of more rows, +pfevict: the GEMV projections' weight loads evict-first")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
     p.add_argument("--speed-limit", type=int, default=8)
     p.add_argument("--tokens", type=int, default=128)
@@ -221,7 +220,6 @@ def main(argv: list[str] | None = None) -> int:
     swap_min_bytes, few_blocks = projection.SWAP_MIN_BYTES, projection.FEW_BLOCKS_TILING
     prefetch_at, prefetch_max, prefetch_max_rows = l2_prefetch.AT, l2_prefetch.MAX_BYTES, l2_prefetch.MAX_BYTES_ROWS
     stream_evict, prefetch_state = projection.STREAM_EVICT_FIRST, graph_ops.L2_PREFETCH_IN_STATE_STEPS
-    prefetch_conv = graph_ops.L2_PREFETCH_IN_CONV_GATES
     for name in args.ops.split(","):
         ops, *flags = name.split("+")
         pdl.use_pdl("nopdl" not in flags)
@@ -239,7 +237,6 @@ def main(argv: list[str] | None = None) -> int:
         projection.SWAP_MIN_BYTES = None if "noswap" in flags else swap_min_bytes
         l2_prefetch.use_l2_prefetch("nopf" not in flags)
         graph_ops.L2_PREFETCH_IN_STATE_STEPS = ("pfrec" in flags or prefetch_state) and "pfnorec" not in flags
-        graph_ops.L2_PREFETCH_IN_CONV_GATES = ("pfconv" in flags or prefetch_conv) and "pfnorec" not in flags
         l2_prefetch.AT = "start" if "pfstart" in flags else prefetch_at
         projection.STREAM_EVICT_FIRST = "pfevict" in flags or stream_evict
         l2_prefetch.MAX_BYTES = next((int(f[5:]) << 20 for f in flags if f.startswith("pfcap")), prefetch_max)
@@ -264,7 +261,6 @@ def main(argv: list[str] | None = None) -> int:
             projection.SWAP_MIN_BYTES, projection.FEW_BLOCKS_TILING = swap_min_bytes, few_blocks
             l2_prefetch.use_l2_prefetch(True)
             graph_ops.L2_PREFETCH_IN_STATE_STEPS = prefetch_state
-            graph_ops.L2_PREFETCH_IN_CONV_GATES = prefetch_conv
             l2_prefetch.AT, l2_prefetch.MAX_BYTES = prefetch_at, prefetch_max
             l2_prefetch.MAX_BYTES_ROWS = prefetch_max_rows
             projection.STREAM_EVICT_FIRST = stream_evict

@@ -207,10 +207,6 @@ RECURRENT_STEP_KERNEL = True
 # launch_counts.py +nopf, +pfrec). With 24 MB prefetches the conv + gates went from 98 to 161 us
 # a step, and AR was 1.2% slower with the recurrence's (H100, benchmarks/results/h100/session28/).
 L2_PREFETCH_IN_STATE_STEPS = False
-# The verification's conv + gates alone (launch_counts.py +pfconv): it and the parallel form after
-# it stream no weights for ~17 us a layer at the 1.3B shape, and the output projection after them
-# (8.4 MB at 9 rows) runs at under half the copy rate.
-L2_PREFETCH_IN_CONV_GATES = False
 # The AR step's greedy token in one launch (kernels/triton_greedy.py), not torch's argmax and
 # two more launches to store it (launch_counts.py +nogreedy times them against each other).
 GREEDY_KERNEL = True
@@ -271,8 +267,7 @@ class FlaOps(TorchOps):
         return conv_gates(x, window, index, layer.conv_w, layer.conv_b, a, b, layer.neg_A,
                           layer.dt_bias, config.head_dim, config.head_v_dim, config.allow_neg_eigval,
                           k_out=k_out, g_out=g_out, x_out=x_out,
-                          **(self._prefetch(layer.w_in) if L2_PREFETCH_IN_STATE_STEPS or L2_PREFETCH_IN_CONV_GATES
-                             else {}))
+                          **(self._prefetch(layer.w_in) if L2_PREFETCH_IN_STATE_STEPS else {}))
 
     def conv_step(self, x, cache, weight, bias, index1):
         y, _ = self._conv_update(x=x, cache=cache, weight=weight, bias=bias, activation="silu")
