@@ -60,12 +60,12 @@ def ar_tokens(ar, snap, root, n):
     return ar.decode(n)
 
 
-def oracle_spec(rt, tree, cont, alpha, deferred=True, n=48):
+def oracle_spec(rt, tree, cont, alpha, deferred=True, n=48, **options):
     P = tree.depth + 1
     state = SpecState(rt, max_path=P, capacity=n + 2 * P + 8, max_nodes=len(tree))
     oracle = DeviceOracle(cont, rt.config.vocab_size, alpha, max_steps=n + 2 * P + 9,
                              max_nodes=len(tree), capacity=n + 4 * P + 16, device=rt.device, seed=3)
-    return GraphedSpec(rt, state, tree, deferred=deferred, oracle=oracle)
+    return GraphedSpec(rt, state, tree, deferred=deferred, oracle=oracle, **options)
 
 
 def first_mismatch(a, b):
@@ -324,11 +324,7 @@ def test_per_op_verification_equals_ar_fp32(shape):
     _, rt, ar, snap, prompt = setup("cuda", torch.float32, ops="fused")
     root, n, tree = prompt[-1], 48, SHAPES[shape]
     cont = ar_tokens(ar, snap, root, n + 4 * (tree.depth + 1))
-    P = tree.depth + 1
-    state = SpecState(rt, max_path=P, capacity=n + 2 * P + 8, max_nodes=len(tree))
-    oracle = DeviceOracle(cont, rt.config.vocab_size, 0.7, max_steps=n + 2 * P + 9, max_nodes=len(tree),
-                          capacity=n + 4 * P + 16, device=rt.device, seed=3)
-    spec = GraphedSpec(rt, state, tree, oracle=oracle, persistent_verify=False)
+    spec = oracle_spec(rt, tree, cont, alpha=0.7, n=n, persistent_verify=False)
     assert spec.chain_verify is None and spec.mode in ("chain", "tree"), spec.verify_note
     run = oracle_calibrate(spec, ar, snap, root, n)
     assert not run.divergences and run.tokens[:n] == cont[:n]
