@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                         "weights into L2 (kernels/l2_prefetch.py), +pfnorec / +pfrec: the AR recurrence and the "
                         "conv + gates do not / do, +pfstart: the projections prefetch at their start, not their "
                         "end, +pfcapN: at most N MB of a matrix from a kernel of one or two rows, +pfrowsN: from "
-                        "a kernel of more rows, +pfevict: the GEMV projections' weight loads evict-first")
+                        "a kernel of more rows")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
     p.add_argument("--speed-limit", type=int, default=8)
     p.add_argument("--tokens", type=int, default=128)
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     whole_max_hidden = whole_step.WHOLE_STEP_MAX_HIDDEN
     swap_min_bytes, few_blocks = projection.SWAP_MIN_BYTES, projection.FEW_BLOCKS_TILING
     prefetch_at, prefetch_max, prefetch_max_rows = l2_prefetch.AT, l2_prefetch.MAX_BYTES, l2_prefetch.MAX_BYTES_ROWS
-    stream_evict, prefetch_state = projection.STREAM_EVICT_FIRST, graph_ops.L2_PREFETCH_IN_STATE_STEPS
+    prefetch_state = graph_ops.L2_PREFETCH_IN_STATE_STEPS
     for name in args.ops.split(","):
         ops, *flags = name.split("+")
         pdl.use_pdl("nopdl" not in flags)
@@ -238,7 +238,6 @@ def main(argv: list[str] | None = None) -> int:
         l2_prefetch.use_l2_prefetch("nopf" not in flags)
         graph_ops.L2_PREFETCH_IN_STATE_STEPS = ("pfrec" in flags or prefetch_state) and "pfnorec" not in flags
         l2_prefetch.AT = "start" if "pfstart" in flags else prefetch_at
-        projection.STREAM_EVICT_FIRST = "pfevict" in flags or stream_evict
         l2_prefetch.MAX_BYTES = next((int(f[5:]) << 20 for f in flags if f.startswith("pfcap")), prefetch_max)
         l2_prefetch.MAX_BYTES_ROWS = next((int(f[6:]) << 20 for f in flags if f.startswith("pfrows")),
                                           prefetch_max_rows)
@@ -263,7 +262,6 @@ def main(argv: list[str] | None = None) -> int:
             graph_ops.L2_PREFETCH_IN_STATE_STEPS = prefetch_state
             l2_prefetch.AT, l2_prefetch.MAX_BYTES = prefetch_at, prefetch_max
             l2_prefetch.MAX_BYTES_ROWS = prefetch_max_rows
-            projection.STREAM_EVICT_FIRST = stream_evict
         result["variants"][name] = variant
         (args.out / "launch_counts.json").write_text(json.dumps(result, indent=1))   # kept if a later set fails
     return 0

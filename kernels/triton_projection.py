@@ -74,9 +74,6 @@ SWAP_SHARED_BYTES = 192 << 10
 # (benchmarks/gemv_best.py) found none better than the rule: 17.79-18.11 us for the two against
 # its 17.94, and AR 1.4105 ms/token with the best against 1.4111 (h100/session26/).
 FEW_BLOCKS_TILING: tuple[int, int, int] | None = None
-# The GEMV form's weight loads marked evict-first in L2 (streamed once, they then do not push
-# out the next matrix's prefetched lines: kernels/l2_prefetch.py; launch_counts.py +pfevict).
-STREAM_EVICT_FIRST = False
 
 
 def swaps(M: int, N: int, weight_bytes: int) -> bool:
@@ -183,7 +180,7 @@ def _packed_products(w_tile, h, BN: tl.constexpr, BK: tl.constexpr, VEC: tl.cons
 def _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl.constexpr,
                 PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr, HEAD: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WAIT: tl.constexpr, VEC: tl.constexpr,
-                sync, EVICT: tl.constexpr = ""):
+                sync):
     """[BM, BN] fp32 products over the K columns [k_lo, k_hi), for one or two rows. Each row
     has its own [BN, BK // VEC] accumulator in the weight tile's own register layout (a
     [BM, BN, BK] one would move every tile through shared memory to a 3-D layout), summed
@@ -193,8 +190,7 @@ def _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl
     previous kernel (programmatic dependent launch), WAIT 2 for a grid barrier of a
     persistent kernel, `sync` = (counter, arrivals, status) as `grid_wait` takes them."""
     offs = tl.arange(0, BK)
-    wb = tl.load(w_rows + k_lo + offs[None, :], mask=c_mask[:, None] & (k_lo + offs < k_hi)[None, :], other=0.0,
-                 eviction_policy=EVICT)
+    wb = tl.load(w_rows + k_lo + offs[None, :], mask=c_mask[:, None] & (k_lo + offs < k_hi)[None, :], other=0.0)
     if WAIT == 1:
         gdc_wait()
     if WAIT == 2:
@@ -212,8 +208,7 @@ def _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl
     for k0 in range(k_lo, k_hi, BK):
         ks = k0 + offs
         nks = ks + BK
-        w_next = tl.load(w_rows + nks[None, :], mask=c_mask[:, None] & (nks < k_hi)[None, :], other=0.0,
-                         eviction_policy=EVICT)
+        w_next = tl.load(w_rows + nks[None, :], mask=c_mask[:, None] & (nks < k_hi)[None, :], other=0.0)
         h0 = _input_block(src, rstd0, eps, row0, row0 < M, ks, ks < k_hi, K, write_res, dtype,
                           PROLOGUE, HAS_RES, SWISH, HEAD, 1, BK)
         acc0 += _packed_products(wb, h0, BN, BK, VEC)
@@ -300,7 +295,7 @@ def _projection_kernel(x, x_stride, res, res_stride, res_out, gate, gate_stride,
                        DOT: tl.constexpr, GEMV: tl.constexpr, SPLIT: tl.constexpr, HEAD: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False,
                        VEC: tl.constexpr = 1, SWAP: tl.constexpr = False, CONV_W: tl.constexpr = 0,
-                       CONV_BIAS: tl.constexpr = False, PREFETCH: tl.constexpr = 0, EVICT: tl.constexpr = ""):
+                       CONV_BIAS: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
     """y[:, BN columns] (or, split, one K slice's share of it) for all M rows.
 
     PDL (the GEMV form only): the first weight tile, which no kernel writes, is read before
@@ -325,7 +320,7 @@ def _projection_kernel(x, x_stride, res, res_stride, res_out, gate, gate_stride,
     if GEMV:
         acc = _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, w.dtype.element_ty,
                           PROLOGUE, HAS_RES, SWISH, HEAD, BM, BN, BK, 1 if PDL else 0, VEC,
-                          (counters, 0, counters), EVICT)    # no grid barrier: WAIT is not 2
+                          (counters, 0, counters))    # no grid barrier: WAIT is not 2
     else:
         acc = _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, w.dtype.element_ty,
                          PROLOGUE, HAS_RES, SWISH, HEAD, DOT, BM, BN, BK, 0, (counters, 0, counters), SWAP)
@@ -591,15 +586,14 @@ def _launch(prologue: str, x2: torch.Tensor, w: torch.Tensor, *, res: torch.Tens
             res_out if res_out is not None else y, gate if gate is not None else y,
             gate.stride(0) if gate is not None else 0, norm_w if norm_w is not None else y, w, y, y.stride(0),
             partials, counters, M, N, K, k_slice, eps, *_conv_args(conv, y), pf if pf is not None else w, pf_bytes,
-            PROLOGUE=PROLOGUES[prologue], PREFETCH=pf_mode, EVICT="evict_first" if STREAM_EVICT_FIRST else "",
+            PROLOGUE=PROLOGUES[prologue], PREFETCH=pf_mode,
             HAS_RES=res is not None,
             SWISH=swish, DOT=_dot_mode(w.dtype), GEMV=t.gemv, SPLIT=split, HEAD=max(head, 1),
             BM=BM, BN=t.block_n, BK=t.block_k, VEC=min(t.block_k, 16 // w.element_size()) if t.packed else 1,
             SWAP=t.swap, CONV_W=0 if conv is None else conv[0].shape[-1],
             CONV_BIAS=conv is not None and conv[2] is not None, **options, **stages)
 
-    key = (w.device, prologue, max(head, 1), conv is not None, BM, w.dtype, x2.dtype, out_dtype, t, pf_mode,
-           STREAM_EVICT_FIRST)
+    key = (w.device, prologue, max(head, 1), conv is not None, BM, w.dtype, x2.dtype, out_dtype, t, pf_mode)
     _launch_fitting(launch, key, options.pop("num_stages", None))
     return y
 

@@ -205,7 +205,9 @@ RECURRENT_STEP_KERNEL = True
 # Whether the AR recurrence and a verification's conv + gates also ask L2 for their layer's
 # output projection (kernels/l2_prefetch.py, which use_l2_prefetch turns off for every kernel;
 # launch_counts.py +nopf, +pfrec). With 24 MB prefetches the conv + gates went from 98 to 161 us
-# a step, and AR was 1.2% slower with the recurrence's (H100, benchmarks/results/h100/session28/).
+# a step, and AR was 1.2% slower with the recurrence's (H100, benchmarks/results/h100/session28/);
+# at the verification's 8 MB cap the conv + gates alone still went from 98.6 to 160.7 us, and the
+# output projection it prefetched gained nothing (2.681x against 2.758x, h100/session29/).
 L2_PREFETCH_IN_STATE_STEPS = False
 # The AR step's greedy token in one launch (kernels/triton_greedy.py), not torch's argmax and
 # two more launches to store it (launch_counts.py +nogreedy times them against each other).
