@@ -303,13 +303,14 @@ def projection_tilings(prologue: str, K: int, quick: bool, M: int = 1, head: int
 def swapped_tilings(K: int, quick: bool, head: int = 0) -> list[dict]:
     """The tl.dot form with the weight tile on the MMA's M side (`swap`): block_n (weight
     rows a tile, 64 or more for Hopper's warpgroup MMA) x block_k x num_stages x split_k,
-    whole heads for the gated norm. At most 16 tilings a shape, 4 quick."""
+    whole heads for the gated norm, each with the prologue's inputs loaded a K block ahead
+    (`preload`) and not. At most 32 tilings a shape, 8 quick."""
     ns, ks, stages, splits = ((64, 128), (128,), (4,), (1, 4)) if quick else ((64, 128), (64, 128), (4,), (1, 2, 4, 8))
     k_blocks = lambda bk: -(-K // bk)  # noqa: E731
     runs = lambda bk, s: -(-k_blocks(bk) // -(-k_blocks(bk) // s)) == s  # noqa: E731 - the slices that run
     fit = [bk for bk in ks if bk % max(head, 1) == 0] or [head]
-    return [{"swap": True, "block_n": bn, "block_k": bk, "num_stages": st, "split_k": s}
-            for bn in ns for bk in fit for st in stages for s in splits if runs(bk, s)]
+    return [{"swap": True, "block_n": bn, "block_k": bk, "num_stages": st, "split_k": s, "preload": pre}
+            for bn in ns for bk in fit for st in stages for s in splits if runs(bk, s) for pre in (False, True)]
 
 
 def tiling_form(blocks: dict) -> str:
@@ -547,12 +548,13 @@ class Bench:
             raise RuntimeError("a grid barrier gave up waiting")
 
     def projection_sweep(self, rows=(1, 9), models: tuple[str, ...] = (),
-                         forms: tuple[str, ...] = ("default", "gemv", "dot", "swap")) -> None:
+                         forms: tuple[str, ...] = ("default", "gemv", "dot", "swap"),
+                         names: tuple[str, ...] = ()) -> None:
         """The fused projections' tilings (kernels/triton_projection.py) against the default
         path, fla's separate norm / SwiGLU kernel then cuBLAS, per layer in bf16, at the
         embedded model's widths and the GDN-1.3B shape's. A tiling whose output leaves the
         reference's is recorded as an error, not timed; `forms` (`tiling_form`) limits the
-        tilings timed."""
+        tilings timed and `names` the projections (by a word of their name: out, down)."""
         from kernels import triton_projection as tp
         from specla.graphs.ops import FlaOps
 
@@ -561,6 +563,8 @@ class Bench:
             if models and model not in models:
                 continue
             for proj, (prologue, K, N) in projection_shapes(config).items():
+                if names and not any(n in proj.split() for n in names):
+                    continue
                 for M in rows:
                     inputs = [projection_inputs(prologue, M, K, N, config, self.dev, seed=l)
                               for l in range(self.layers)]
@@ -826,6 +830,8 @@ def main(argv=None) -> int:
                         help="comma list of the projection sweep's tiling forms (default, gemv, dot, swap)")
     parser.add_argument("--projection-models", default="",
                         help="comma list of the projection sweep's models (embedded, gdn-1.3b; all if empty)")
+    parser.add_argument("--projection-names", default="",
+                        help="comma list of words naming the projections swept (in, up, out, down; all if empty)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -858,7 +864,8 @@ def main(argv=None) -> int:
                 ("projection", lambda: bench.projection_sweep(
                     tuple(int(r) for r in args.projection_rows.split(",")),
                     tuple(filter(None, args.projection_models.split(","))),
-                    tuple(filter(None, args.projection_forms.split(",")))))]
+                    tuple(filter(None, args.projection_forms.split(","))),
+                    tuple(filter(None, args.projection_names.split(",")))))]
     def save() -> dict:
         """Both files, rewritten after every section: a timeout loses only the running one."""
         auto_rule = fit_auto_rule(bench.results, bench.tv.MAX_TREE_NODES)

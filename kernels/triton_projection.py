@@ -69,6 +69,9 @@ SWAP_MAX_COLUMNS = 4096
 # buffers num_stages - 1 pairs of weight and input tiles (ptxas-free check: a 4-stage
 # [64, 256] fp32 tile with 16 input rows asked for 240 KB + a few for barriers)
 SWAP_SHARED_BYTES = 192 << 10
+# whether the swapped form's default tiling loads each K block's prologue inputs a block ahead
+# (`_dot_slice`'s PRELOAD)
+SWAP_PRELOAD = False
 # (block_n, block_k, split_k) of the GEMV form where the column blocks alone do not fill the
 # GPU (the 1.3B shape's out and down projections); None: `_tiling`'s rule. An H100 sweep of six
 # (benchmarks/gemv_best.py) found none better than the rule: 17.79-18.11 us for the two against
@@ -109,17 +112,42 @@ def _dot_swapped(h, w, DOT: tl.constexpr):
 
 
 @triton.jit
+def _raw_block(src, rows, r_mask, ks, k_mask, K, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr):
+    """The two [BM, BK] tiles the prologue reads for one input block, as loaded: (x,
+    residual) for the norm (x twice without one), (o, gate) for the gated norm, (gate, up)
+    for SwiGLU. Split from the arithmetic so a loop can issue the next block's loads before
+    it works on this one (`_dot_slice`'s PRELOAD)."""
+    x, x_stride, res, res_stride, gate, gate_stride = src[0], src[1], src[2], src[3], src[5], src[6]
+    mask = r_mask[:, None] & k_mask[None, :]
+    first = tl.load(x + rows[:, None] * x_stride + ks[None, :], mask=mask, other=0.0)
+    if PROLOGUE == 0:
+        if HAS_RES:
+            second = tl.load(res + rows[:, None] * res_stride + ks[None, :], mask=mask, other=0.0)
+        else:
+            second = first
+    elif PROLOGUE == 1:
+        second = tl.load(gate + rows[:, None] * gate_stride + ks[None, :], mask=mask, other=0.0)
+    else:
+        second = tl.load(x + rows[:, None] * x_stride + K + ks[None, :], mask=mask, other=0.0)
+    return first, second
+
+
+@triton.jit
+def _summed(first, second, HAS_RES: tl.constexpr):
+    """x + residual from `_raw_block`'s tiles, rounded to x's dtype as a torch add is; fp32."""
+    r = first
+    if HAS_RES:
+        r = (first.to(tl.float32) + second.to(tl.float32)).to(first.dtype)
+    return r.to(tl.float32)
+
+
+@triton.jit
 def _summed_input(src, rows, r_mask, ks, k_mask, HAS_RES: tl.constexpr):
     """x + residual for one [BM, BK] block, rounded to x's dtype as a torch add is; fp32.
     `src` is the kernel's inputs (x, x_stride, res, res_stride, res_out, gate, gate_stride,
     norm_w)."""
-    x, x_stride, res, res_stride = src[0], src[1], src[2], src[3]
-    mask = r_mask[:, None] & k_mask[None, :]
-    r = tl.load(x + rows[:, None] * x_stride + ks[None, :], mask=mask, other=0.0)
-    if HAS_RES:
-        r2 = tl.load(res + rows[:, None] * res_stride + ks[None, :], mask=mask, other=0.0)
-        r = (r.to(tl.float32) + r2.to(tl.float32)).to(x.dtype.element_ty)
-    return r.to(tl.float32)
+    first, second = _raw_block(src, rows, r_mask, ks, k_mask, 0, 0, HAS_RES)
+    return _summed(first, second, HAS_RES)
 
 
 @triton.jit
@@ -138,31 +166,39 @@ def _input_block(src, rstd, eps, rows, r_mask, ks, k_mask, K, write_res, dtype: 
                  PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr,
                  HEAD: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     """The prologue's output for one [BM, BK] block of the matrix's input, in `dtype`."""
-    x, x_stride, res_out, gate, gate_stride, norm_w = src[0], src[1], src[4], src[5], src[6], src[7]
+    first, second = _raw_block(src, rows, r_mask, ks, k_mask, K, PROLOGUE, HAS_RES)
+    return _prologue(first, second, src, rstd, eps, rows, r_mask, ks, k_mask, K, write_res, dtype,
+                     PROLOGUE, HAS_RES, SWISH, HEAD, BM, BK)
+
+
+@triton.jit
+def _prologue(first, second, src, rstd, eps, rows, r_mask, ks, k_mask, K, write_res, dtype: tl.constexpr,
+              PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr,
+              HEAD: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """`_input_block`'s arithmetic on the tiles `_raw_block` loaded for it."""
+    res_out, norm_w = src[4], src[7]
     mask = r_mask[:, None] & k_mask[None, :]
     if PROLOGUE == 0:
-        r = _summed_input(src, rows, r_mask, ks, k_mask, HAS_RES)
+        r = _summed(first, second, HAS_RES)
         if HAS_RES:
             if write_res:
                 tl.store(res_out + rows[:, None] * K + ks[None, :], r.to(dtype), mask=mask)
         nw = tl.load(norm_w + ks, mask=k_mask, other=0.0).to(tl.float32)
         h = ((r * rstd[:, None]) * nw[None, :]).to(dtype)
     elif PROLOGUE == 1:  # BK / HEAD whole heads (the K slices start on head boundaries)
-        o = tl.load(x + rows[:, None] * x_stride + ks[None, :], mask=mask, other=0.0)
-        o = tl.reshape(o.to(dtype).to(tl.float32), [BM, BK // HEAD, HEAD])
+        o = tl.reshape(first.to(dtype).to(tl.float32), [BM, BK // HEAD, HEAD])
         o = o / tl.sqrt(tl.sum(o * o, axis=2) / HEAD + eps)[:, :, None]
         nw = tl.load(norm_w + tl.arange(0, BK) % HEAD).to(tl.float32)
         normed = (tl.reshape(o, [BM, BK]) * nw[None, :]).to(dtype).to(tl.float32)
-        gt = tl.load(gate + rows[:, None] * gate_stride + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        gt = second.to(tl.float32)
         if SWISH:
             act = (gt * tl.sigmoid(gt)).to(dtype).to(tl.float32)
         else:
             act = tl.sigmoid(gt).to(dtype).to(tl.float32)
         h = (normed * act).to(dtype)
     else:                # swiglu: x holds [gate | up], K = I columns each
-        a = tl.load(x + rows[:, None] * x_stride + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(x + rows[:, None] * x_stride + K + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-        h = ((a * tl.sigmoid(a)).to(dtype).to(tl.float32) * b).to(dtype)
+        a = first.to(tl.float32)
+        h = ((a * tl.sigmoid(a)).to(dtype).to(tl.float32) * second.to(tl.float32)).to(dtype)
     return h
 
 
@@ -227,12 +263,14 @@ def _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl
 def _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl.constexpr,
                PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr, HEAD: tl.constexpr,
                DOT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WAIT: tl.constexpr,
-               sync, SWAP: tl.constexpr = False):
+               sync, SWAP: tl.constexpr = False, PRELOAD: tl.constexpr = False):
     """[BM, BN] fp32 products over the K columns [k_lo, k_hi) by tl.dot (num_stages
     pipelines the weight loads). WAIT 2: inside a persistent kernel, the first weight tile
     is loaded before the grid barrier `sync` (as `_gemv_slice` does) and each next tile
     before the current one's product. SWAP: the products as w @ h.T ([BN, BM], transposed
-    once at the end), so a block of 64 or more weight rows fills the MMA's M side."""
+    once at the end), so a block of 64 or more weight rows fills the MMA's M side. PRELOAD
+    (not with WAIT 2): the prologue's input tiles of the next K block are loaded before
+    this block's arithmetic, so their round trip overlaps it instead of following it."""
     rows = tl.arange(0, BM)
     r_mask = rows < M
     offs = tl.arange(0, BK)
@@ -246,11 +284,20 @@ def _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl.
         acc_t = tl.zeros([BN, BM], dtype=tl.float32)
     else:
         acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if PRELOAD:
+        first, second = _raw_block(src, rows, r_mask, k_lo + offs, k_lo + offs < k_hi, K, PROLOGUE, HAS_RES)
     for k0 in range(k_lo, k_hi, BK):
         ks = k0 + offs
         k_mask = ks < k_hi
-        h = _input_block(src, rstd, eps, rows, r_mask, ks, k_mask, K, write_res, dtype,
-                         PROLOGUE, HAS_RES, SWISH, HEAD, BM, BK)
+        if PRELOAD:
+            nks = ks + BK
+            next_first, next_second = _raw_block(src, rows, r_mask, nks, nks < k_hi, K, PROLOGUE, HAS_RES)
+            h = _prologue(first, second, src, rstd, eps, rows, r_mask, ks, k_mask, K, write_res, dtype,
+                          PROLOGUE, HAS_RES, SWISH, HEAD, BM, BK)
+            first, second = next_first, next_second
+        else:
+            h = _input_block(src, rstd, eps, rows, r_mask, ks, k_mask, K, write_res, dtype,
+                             PROLOGUE, HAS_RES, SWISH, HEAD, BM, BK)
         if WAIT == 2:
             nks = ks + BK
             w_next = tl.load(w_rows + nks[None, :], mask=c_mask[:, None] & (nks < k_hi)[None, :], other=0.0)
@@ -295,7 +342,8 @@ def _projection_kernel(x, x_stride, res, res_stride, res_out, gate, gate_stride,
                        DOT: tl.constexpr, GEMV: tl.constexpr, SPLIT: tl.constexpr, HEAD: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False,
                        VEC: tl.constexpr = 1, SWAP: tl.constexpr = False, CONV_W: tl.constexpr = 0,
-                       CONV_BIAS: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
+                       CONV_BIAS: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+                       PRELOAD: tl.constexpr = False):
     """y[:, BN columns] (or, split, one K slice's share of it) for all M rows.
 
     PDL (the GEMV form only): the first weight tile, which no kernel writes, is read before
@@ -323,7 +371,8 @@ def _projection_kernel(x, x_stride, res, res_stride, res_out, gate, gate_stride,
                           (counters, 0, counters))    # no grid barrier: WAIT is not 2
     else:
         acc = _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, w.dtype.element_ty,
-                         PROLOGUE, HAS_RES, SWISH, HEAD, DOT, BM, BN, BK, 0, (counters, 0, counters), SWAP)
+                         PROLOGUE, HAS_RES, SWISH, HEAD, DOT, BM, BN, BK, 0, (counters, 0, counters), SWAP,
+                         PRELOAD)
     if PREFETCH == 2:
         l2_prefetch_share(pf, pf_bytes, pid_n * SPLIT + pid_s, tl.num_programs(0) * SPLIT)
     rows = tl.arange(0, BM)
@@ -370,6 +419,7 @@ class Tiling:
     num_stages: int | None = None
     packed: bool = True        # GEMV: each thread's 16 bytes of a row summed inside the K loop
     swap: bool = False         # tl.dot: the weight tile on the MMA's M side (`_dot_swapped`)
+    preload: bool = False      # tl.dot: the next K block's input tiles loaded a block ahead
 
 
 def _split_parts(K: int, block_k: int, split_k: int) -> tuple[int, int]:
@@ -391,7 +441,7 @@ def _gemv_warps(block_k: int, elem: int) -> int:
 def _tiling(M: int, N: int, K: int, elem: int, head: int, sms: int, gemv: bool | None = None,
             block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
             num_stages: int | None = None, num_warps: int | None = None,
-            packed: bool | None = None, swap: bool | None = None) -> Tiling:
+            packed: bool | None = None, swap: bool | None = None, preload: bool | None = None) -> Tiling:
     """The caller's keywords, the rest chosen for a weight-streaming step: at least 2
     programs an SM, each streaming 1 KB of each weight row a K step (GEMV: 8 rows for one
     input row, 8 KB a tile; 4 rows for two; 2 KB a row where the column blocks alone do not
@@ -400,16 +450,17 @@ def _tiling(M: int, N: int, K: int, elem: int, head: int, sms: int, gemv: bool |
     while each slice keeps >= 2 K blocks (so the GEMV prefetch overlaps), then narrower GEMV
     blocks, then single-block slices, then smaller K blocks (a small matrix is latency-bound:
     more programs with less each beat fewer with more)."""
-    if swap and gemv:
-        raise ValueError("swap is a form of the tl.dot projection, not of the GEMV one")
-    asked = (gemv, block_n, block_k, split_k, num_stages, num_warps, packed, swap)
+    if (swap or preload) and gemv:
+        raise ValueError("swap and preload are options of the tl.dot projection, not of the GEMV one")
+    asked = (gemv, block_n, block_k, split_k, num_stages, num_warps, packed, swap, preload)
     if all(a is None for a in asked) and swaps(M, N, N * K * elem):
         swap = True
     gemv = M <= MAX_GEMV_ROWS if gemv is None else gemv
     kpow = triton.next_power_of_2(K)
     bm = triton.next_power_of_2(M) if gemv else max(16, triton.next_power_of_2(M))
     if swap:
-        return _swapped_tiling(M, N, K, elem, head, sms, block_n, block_k, split_k, num_stages, num_warps)
+        return _swapped_tiling(M, N, K, elem, head, sms, block_n, block_k, split_k, num_stages, num_warps,
+                               SWAP_PRELOAD if preload is None else preload)
     chosen = (block_n, block_k, split_k, num_stages, num_warps, packed)
     if all(c is None for c in chosen) and N * K * elem <= LATENCY_BOUND_BYTES:
         return _latency_bound_tiling(N, K, elem, head, sms, gemv, bm)
@@ -446,12 +497,13 @@ def _tiling(M: int, N: int, K: int, elem: int, head: int, sms: int, gemv: bool |
     big = not gemv and bm * bk * elem > 16384
     warps = num_warps or (_gemv_warps(bk, elem) if gemv else 8 if big else 4)
     stages = num_stages or (2 if big else None)
-    return Tiling(gemv, bn, bk, _split_parts(K, bk, split)[0], warps, stages, packed is not False)
+    return Tiling(gemv, bn, bk, _split_parts(K, bk, split)[0], warps, stages, packed is not False,
+                  preload=bool(preload) and not gemv)
 
 
 def _swapped_tiling(M: int, N: int, K: int, elem: int, head: int, sms: int, block_n: int | None,
                     block_k: int | None, split_k: int | None, num_stages: int | None,
-                    num_warps: int | None) -> Tiling:
+                    num_warps: int | None, preload: bool) -> Tiling:
     """The tl.dot form with the weight tile on the MMA's M side: 64 weight rows by 64 columns
     a tile (whole heads for the gated norm), K split until the column blocks fill the GPU
     once while each slice keeps four K blocks (the H100 sweep's best at the 1.3B shape's
@@ -465,7 +517,8 @@ def _swapped_tiling(M: int, N: int, K: int, elem: int, head: int, sms: int, bloc
         split *= 2
     bm = max(16, triton.next_power_of_2(M))
     stages = num_stages or max(1, min(4, 1 + SWAP_SHARED_BYTES // ((bn + bm) * bk * elem)))
-    return Tiling(False, bn, bk, _split_parts(K, bk, split)[0], num_warps or 4, stages, swap=True)
+    return Tiling(False, bn, bk, _split_parts(K, bk, split)[0], num_warps or 4, stages, swap=True,
+                  preload=preload)
 
 
 def _latency_bound_tiling(N: int, K: int, elem: int, head: int, sms: int, gemv: bool, bm: int) -> Tiling:
@@ -554,7 +607,7 @@ def _launch(prologue: str, x2: torch.Tensor, w: torch.Tensor, *, res: torch.Tens
             norm_w: torch.Tensor | None = None, eps: float = 0.0, swish: bool = True, head: int = 0,
             block_k: int | None = None, block_n: int | None = None, num_stages: int | None = None,
             gemv: bool | None = None, split_k: int | None = None, num_warps: int | None = None,
-            packed: bool | None = None, swap: bool | None = None,
+            packed: bool | None = None, swap: bool | None = None, preload: bool | None = None,
             out_dtype: torch.dtype | None = None, conv: tuple | None = None,
             prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """y = prologue(x2) @ w.T for x2 [M, K*] and w [N, K], in out_dtype (default w's);
@@ -566,7 +619,7 @@ def _launch(prologue: str, x2: torch.Tensor, w: torch.Tensor, *, res: torch.Tens
     if not w.is_contiguous():
         raise ValueError("the weight must be contiguous [N, K]")
     t = _tiling(M, N, K, w.element_size(), head, _sm_count(w.device), gemv, block_n, block_k,
-                1 if conv is not None else split_k, num_stages, num_warps, packed, swap)
+                1 if conv is not None else split_k, num_stages, num_warps, packed, swap, preload)
     _check(M, head, t)
     BM = triton.next_power_of_2(M) if t.gemv else max(16, triton.next_power_of_2(M))
     split, k_slice = _split_parts(K, t.block_k, t.split_k)
@@ -590,7 +643,7 @@ def _launch(prologue: str, x2: torch.Tensor, w: torch.Tensor, *, res: torch.Tens
             HAS_RES=res is not None,
             SWISH=swish, DOT=_dot_mode(w.dtype), GEMV=t.gemv, SPLIT=split, HEAD=max(head, 1),
             BM=BM, BN=t.block_n, BK=t.block_k, VEC=min(t.block_k, 16 // w.element_size()) if t.packed else 1,
-            SWAP=t.swap, CONV_W=0 if conv is None else conv[0].shape[-1],
+            SWAP=t.swap, PRELOAD=t.preload, CONV_W=0 if conv is None else conv[0].shape[-1],
             CONV_BIAS=conv is not None and conv[2] is not None, **options, **stages)
 
     key = (w.device, prologue, max(head, 1), conv is not None, BM, w.dtype, x2.dtype, out_dtype, t, pf_mode)
