@@ -549,12 +549,13 @@ class Bench:
 
     def projection_sweep(self, rows=(1, 9), models: tuple[str, ...] = (),
                          forms: tuple[str, ...] = ("default", "gemv", "dot", "swap"),
-                         names: tuple[str, ...] = ()) -> None:
+                         names: tuple[str, ...] = (), tilings: list[dict] | None = None) -> None:
         """The fused projections' tilings (kernels/triton_projection.py) against the default
         path, fla's separate norm / SwiGLU kernel then cuBLAS, per layer in bf16, at the
         embedded model's widths and the GDN-1.3B shape's. A tiling whose output leaves the
         reference's is recorded as an error, not timed; `forms` (`tiling_form`) limits the
-        tilings timed and `names` the projections (by a word of their name: out, down)."""
+        tilings timed and `names` the projections (by a word of their name: out, down);
+        `tilings`, where given, are timed (with the default) instead of the sweep's own."""
         from kernels import triton_projection as tp
         from specla.graphs.ops import FlaOps
 
@@ -574,8 +575,9 @@ class Bench:
                     head = config.head_v_dim if prologue == "gated_norm" else 0
                     picked = tp.picked_tiling(M, N, K, torch.bfloat16, head, self.dev)
                     quick = self.replays < 40
-                    tilings = projection_tilings(prologue, K, quick, M, head) + swapped_tilings(K, quick, head)
-                    for blocks in (b for b in tilings if tiling_form(b) in forms):
+                    timed = ([{}] + tilings if tilings is not None else
+                             projection_tilings(prologue, K, quick, M, head) + swapped_tilings(K, quick, head))
+                    for blocks in (b for b in timed if tiling_form(b) in forms):
                         err = self.projection_error("projection_fused", prologue, inputs[0], want,
                                                     {**info, **blocks}, **blocks)
                         if err is None:
@@ -830,6 +832,8 @@ def main(argv=None) -> int:
                         help="comma list of the projection sweep's tiling forms (default, gemv, dot, swap)")
     parser.add_argument("--projection-models", default="",
                         help="comma list of the projection sweep's models (embedded, gdn-1.3b; all if empty)")
+    parser.add_argument("--projection-tilings", type=json.loads, default=None,
+                        help="JSON list of tilings (keyword dicts) the projection sweep times beside the default")
     parser.add_argument("--projection-names", default="",
                         help="comma list of words naming the projections swept (in, up, out, down; all if empty)")
     args = parser.parse_args(argv)
@@ -865,7 +869,7 @@ def main(argv=None) -> int:
                     tuple(int(r) for r in args.projection_rows.split(",")),
                     tuple(filter(None, args.projection_models.split(","))),
                     tuple(filter(None, args.projection_forms.split(","))),
-                    tuple(filter(None, args.projection_names.split(",")))))]
+                    tuple(filter(None, args.projection_names.split(","))), args.projection_tilings))]
     def save() -> dict:
         """Both files, rewritten after every section: a timeout loses only the running one."""
         auto_rule = fit_auto_rule(bench.results, bench.tv.MAX_TREE_NODES)

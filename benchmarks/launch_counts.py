@@ -194,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
                         "weights into L2 (kernels/l2_prefetch.py), +pfnorec / +pfrec: the AR recurrence and the "
                         "conv + gates do not / do, +pfstart: the projections prefetch at their start, not their "
                         "end, +pfcapN: at most N MB of a matrix from a kernel of one or two rows, +pfrowsN: from "
-                        "a kernel of more rows")
+                        "a kernel of more rows; +preload / +nopreload: the swapped projections load their inputs a "
+                        "K block ahead or not (SWAP_PRELOAD), +swapwide: the swapped form for any width (the "
+                        "in and gate/up projections of a verification too, not fla's norm + cuBLAS)")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
     p.add_argument("--speed-limit", type=int, default=8)
     p.add_argument("--tokens", type=int, default=128)
@@ -218,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     recurrent_pdl = recurrent_step.PDL_MODE
     whole_max_hidden = whole_step.WHOLE_STEP_MAX_HIDDEN
     swap_min_bytes, few_blocks = projection.SWAP_MIN_BYTES, projection.FEW_BLOCKS_TILING
+    swap_preload, swap_max_columns = projection.SWAP_PRELOAD, projection.SWAP_MAX_COLUMNS
     prefetch_at, prefetch_max, prefetch_max_rows = l2_prefetch.AT, l2_prefetch.MAX_BYTES, l2_prefetch.MAX_BYTES_ROWS
     prefetch_state = graph_ops.L2_PREFETCH_IN_STATE_STEPS
     for name in args.ops.split(","):
@@ -235,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         draft_step.PERSISTENT_DRAFT = "nodraft" not in flags
         whole_step.FUSED_ACCEPT = "noaccept" not in flags
         projection.SWAP_MIN_BYTES = None if "noswap" in flags else swap_min_bytes
+        projection.SWAP_PRELOAD = ("preload" in flags or swap_preload) and "nopreload" not in flags
+        projection.SWAP_MAX_COLUMNS = 1 << 20 if "swapwide" in flags else swap_max_columns
         l2_prefetch.use_l2_prefetch("nopf" not in flags)
         graph_ops.L2_PREFETCH_IN_STATE_STEPS = ("pfrec" in flags or prefetch_state) and "pfnorec" not in flags
         l2_prefetch.AT = "start" if "pfstart" in flags else prefetch_at
@@ -258,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             whole_step.WHOLE_STEP_MAX_HIDDEN, whole_step.WHOLE_STEP_PROGRAMS = whole_max_hidden, None
             whole_step.WHOLE_VERIFY = draft_step.PERSISTENT_DRAFT = whole_step.FUSED_ACCEPT = True
             projection.SWAP_MIN_BYTES, projection.FEW_BLOCKS_TILING = swap_min_bytes, few_blocks
+            projection.SWAP_PRELOAD, projection.SWAP_MAX_COLUMNS = swap_preload, swap_max_columns
             l2_prefetch.use_l2_prefetch(True)
             graph_ops.L2_PREFETCH_IN_STATE_STEPS = prefetch_state
             l2_prefetch.AT, l2_prefetch.MAX_BYTES = prefetch_at, prefetch_max

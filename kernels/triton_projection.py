@@ -263,14 +263,15 @@ def _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl
 def _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl.constexpr,
                PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr, HEAD: tl.constexpr,
                DOT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WAIT: tl.constexpr,
-               sync, SWAP: tl.constexpr = False, PRELOAD: tl.constexpr = False):
+               sync, SWAP: tl.constexpr = False, PRELOAD: tl.constexpr = False, RSTD_BK: tl.constexpr = 0):
     """[BM, BN] fp32 products over the K columns [k_lo, k_hi) by tl.dot (num_stages
     pipelines the weight loads). WAIT 2: inside a persistent kernel, the first weight tile
     is loaded before the grid barrier `sync` (as `_gemv_slice` does) and each next tile
     before the current one's product. SWAP: the products as w @ h.T ([BN, BM], transposed
     once at the end), so a block of 64 or more weight rows fills the MMA's M side. PRELOAD
     (not with WAIT 2): the prologue's input tiles of the next K block are loaded before
-    this block's arithmetic, so their round trip overlaps it instead of following it."""
+    this block's arithmetic, so their round trip overlaps it instead of following it; the
+    norm's mean square then sums RSTD_BK columns a step, not BK (fewer dependent loads)."""
     rows = tl.arange(0, BM)
     r_mask = rows < M
     offs = tl.arange(0, BK)
@@ -279,7 +280,10 @@ def _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl.
         grid_wait(sync[0], sync[1], sync[2])
     rstd = tl.zeros([BM], dtype=tl.float32)
     if PROLOGUE == 0:
-        rstd = _row_rstd(src, rows, r_mask, K, eps, HAS_RES, BM, BK)
+        if PRELOAD:
+            rstd = _row_rstd(src, rows, r_mask, K, eps, HAS_RES, BM, RSTD_BK)
+        else:
+            rstd = _row_rstd(src, rows, r_mask, K, eps, HAS_RES, BM, BK)
     if SWAP:
         acc_t = tl.zeros([BN, BM], dtype=tl.float32)
     else:
@@ -343,7 +347,7 @@ def _projection_kernel(x, x_stride, res, res_stride, res_out, gate, gate_stride,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False,
                        VEC: tl.constexpr = 1, SWAP: tl.constexpr = False, CONV_W: tl.constexpr = 0,
                        CONV_BIAS: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-                       PRELOAD: tl.constexpr = False):
+                       PRELOAD: tl.constexpr = False, RSTD_BK: tl.constexpr = 0):
     """y[:, BN columns] (or, split, one K slice's share of it) for all M rows.
 
     PDL (the GEMV form only): the first weight tile, which no kernel writes, is read before
@@ -372,7 +376,7 @@ def _projection_kernel(x, x_stride, res, res_stride, res_out, gate, gate_stride,
     else:
         acc = _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, w.dtype.element_ty,
                          PROLOGUE, HAS_RES, SWISH, HEAD, DOT, BM, BN, BK, 0, (counters, 0, counters), SWAP,
-                         PRELOAD)
+                         PRELOAD, RSTD_BK)
     if PREFETCH == 2:
         l2_prefetch_share(pf, pf_bytes, pid_n * SPLIT + pid_s, tl.num_programs(0) * SPLIT)
     rows = tl.arange(0, BM)
@@ -643,7 +647,8 @@ def _launch(prologue: str, x2: torch.Tensor, w: torch.Tensor, *, res: torch.Tens
             HAS_RES=res is not None,
             SWISH=swish, DOT=_dot_mode(w.dtype), GEMV=t.gemv, SPLIT=split, HEAD=max(head, 1),
             BM=BM, BN=t.block_n, BK=t.block_k, VEC=min(t.block_k, 16 // w.element_size()) if t.packed else 1,
-            SWAP=t.swap, PRELOAD=t.preload, CONV_W=0 if conv is None else conv[0].shape[-1],
+            SWAP=t.swap, PRELOAD=t.preload, RSTD_BK=max(t.block_k, min(triton.next_power_of_2(K), 4096 // BM)) if t.preload else 0,
+            CONV_W=0 if conv is None else conv[0].shape[-1],
             CONV_BIAS=conv is not None and conv[2] is not None, **options, **stages)
 
     key = (w.device, prologue, max(head, 1), conv is not None, BM, w.dtype, x2.dtype, out_dtype, t, pf_mode)

@@ -771,6 +771,7 @@ PROJECTION_TILING_CASES = [
     (1, 96, 33, dict(swap=True, block_k=32, block_n=16)),
     (9, 128, 40, dict(swap=True, block_k=32, block_n=32, split_k=2, preload=True)),  # inputs a block ahead
     (9, 96, 33, dict(gemv=False, block_k=32, block_n=16, preload=True)),
+    (5, 128, 40, dict(swap=True, block_k=16, block_n=16, split_k=2, preload=True)),   # mean square 128 a step
 ]
 
 
