@@ -69,9 +69,13 @@ SWAP_MAX_COLUMNS = 4096
 # buffers num_stages - 1 pairs of weight and input tiles (ptxas-free check: a 4-stage
 # [64, 256] fp32 tile with 16 input rows asked for 240 KB + a few for barriers)
 SWAP_SHARED_BYTES = 192 << 10
-# whether the swapped form's default tiling loads each K block's prologue inputs a block ahead
-# (`_dot_slice`'s PRELOAD)
-SWAP_PRELOAD = False
+# whether the swapped form's default tiling for the gated norm loads each K block's inputs into
+# registers a block ahead (`_dot_slice`'s PRELOAD) and splits K down to one block a slice. H100
+# sweep at 9 rows of the 1.3B out projection (benchmarks/results/h100/session30/): 7.31 us a
+# layer against 10.40 for the tiling without it (Triton's pipeliner then stages the inputs in
+# shared memory beside the weights: 184 KB, one program an SM); the SwiGLU down projection got
+# slower with it (14.27 against 12.24), so it keeps the plain form.
+SWAP_PRELOAD = True
 # (block_n, block_k, split_k) of the GEMV form where the column blocks alone do not fill the
 # GPU (the 1.3B shape's out and down projections); None: `_tiling`'s rule. An H100 sweep of six
 # (benchmarks/gemv_best.py) found none better than the rule: 17.79-18.11 us for the two against
@@ -464,7 +468,7 @@ def _tiling(M: int, N: int, K: int, elem: int, head: int, sms: int, gemv: bool |
     bm = triton.next_power_of_2(M) if gemv else max(16, triton.next_power_of_2(M))
     if swap:
         return _swapped_tiling(M, N, K, elem, head, sms, block_n, block_k, split_k, num_stages, num_warps,
-                               SWAP_PRELOAD if preload is None else preload)
+                               bool(head) and SWAP_PRELOAD if preload is None else preload)
     chosen = (block_n, block_k, split_k, num_stages, num_warps, packed)
     if all(c is None for c in chosen) and N * K * elem <= LATENCY_BOUND_BYTES:
         return _latency_bound_tiling(N, K, elem, head, sms, gemv, bm)
@@ -511,16 +515,18 @@ def _swapped_tiling(M: int, N: int, K: int, elem: int, head: int, sms: int, bloc
     """The tl.dot form with the weight tile on the MMA's M side: 64 weight rows by 64 columns
     a tile (whole heads for the gated norm), K split until the column blocks fill the GPU
     once while each slice keeps four K blocks (the H100 sweep's best at the 1.3B shape's
-    out and down projections: split 4 and 8), and as many stages (up to 4) as
-    SWAP_SHARED_BYTES holds."""
+    down projection: split 8), and as many stages (up to 4) as SWAP_SHARED_BYTES holds.
+    With `preload` a slice may keep a single K block and the weights take two stages (the
+    sweep's best at the out projection: split 8)."""
     bn = block_n or 64
     bk = block_k or max(head, 16, min(triton.next_power_of_2(K), 64))
     split = split_k or 1
-    while split_k is None and triton.cdiv(N, bn) * split < sms and triton.cdiv(K, bk) >= 4 * split \
+    per_slice = 1 if preload else 4
+    while split_k is None and triton.cdiv(N, bn) * split < sms and triton.cdiv(K, bk) >= 2 * per_slice * split \
             and split < MAX_SPLIT:
         split *= 2
     bm = max(16, triton.next_power_of_2(M))
-    stages = num_stages or max(1, min(4, 1 + SWAP_SHARED_BYTES // ((bn + bm) * bk * elem)))
+    stages = num_stages or (2 if preload else max(1, min(4, 1 + SWAP_SHARED_BYTES // ((bn + bm) * bk * elem))))
     return Tiling(False, bn, bk, _split_parts(K, bk, split)[0], num_warps or 4, stages, swap=True,
                   preload=preload)
 
