@@ -460,7 +460,7 @@ def _tiling(M: int, N: int, K: int, elem: int, head: int, sms: int, gemv: bool |
     more programs with less each beat fewer with more)."""
     if (swap or preload) and gemv:
         raise ValueError("swap and preload are options of the tl.dot projection, not of the GEMV one")
-    asked = (gemv, block_n, block_k, split_k, num_stages, num_warps, packed, swap, preload)
+    asked = (gemv, block_n, block_k, split_k, num_stages, num_warps, packed, swap)    # preload: not a form
     if all(a is None for a in asked) and swaps(M, N, N * K * elem):
         swap = True
     gemv = M <= MAX_GEMV_ROWS if gemv is None else gemv
@@ -514,14 +514,14 @@ def _swapped_tiling(M: int, N: int, K: int, elem: int, head: int, sms: int, bloc
                     num_warps: int | None, preload: bool) -> Tiling:
     """The tl.dot form with the weight tile on the MMA's M side: 64 weight rows by 64 columns
     a tile (whole heads for the gated norm), K split until the column blocks fill the GPU
-    once while each slice keeps four K blocks (the H100 sweep's best at the 1.3B shape's
+    once while each slice keeps two K blocks (the H100 sweep's best at the 1.3B shape's
     down projection: split 8), and as many stages (up to 4) as SWAP_SHARED_BYTES holds.
     With `preload` a slice may keep a single K block and the weights take two stages (the
     sweep's best at the out projection: split 8)."""
     bn = block_n or 64
     bk = block_k or max(head, 16, min(triton.next_power_of_2(K), 64))
     split = split_k or 1
-    per_slice = 1 if preload else 4
+    per_slice = 1 if preload else 2        # K blocks a slice keeps after a doubling
     while split_k is None and triton.cdiv(N, bn) * split < sms and triton.cdiv(K, bk) >= 2 * per_slice * split \
             and split < MAX_SPLIT:
         split *= 2

@@ -127,6 +127,24 @@ def test_several_rows_of_a_large_narrow_matrix_default_to_the_swapped_form():
     assert not tp._tiling(9, 8208, 2048, 2, 0, 132).swap
 
 
+def test_the_swapped_gated_norm_preloads_its_inputs_and_splits_k_to_single_blocks(monkeypatch):
+    """The 9-row out projection (gated norm) loads its inputs a K block ahead into registers,
+    one 256-wide head a slice, two stages (SWAP_PRELOAD); the SwiGLU down projection keeps
+    Triton's staged inputs and slices of several K blocks; SWAP_PRELOAD off and a caller's
+    preload=False give the gated norm the plain form."""
+    from kernels import triton_projection as tp
+
+    out, down = tp._tiling(9, 2048, 2048, 2, 256, 132), tp._tiling(9, 2048, 5632, 2, 0, 132)
+    assert out.swap and out.preload and (out.block_k, out.split_k, out.num_stages) == (256, 8, 2), out
+    assert down.swap and not down.preload and down.split_k == 8 and down.num_stages == 4, down
+    plain = tp._tiling(9, 2048, 2048, 2, 256, 132, preload=False)
+    assert plain.swap and not plain.preload and plain.split_k == 4
+    monkeypatch.setattr(tp, "SWAP_PRELOAD", False)
+    assert tp._tiling(9, 2048, 2048, 2, 256, 132) == plain
+    with pytest.raises(ValueError):
+        tp._tiling(1, 2048, 2048, 2, 256, 132, gemv=True, preload=True)
+
+
 def test_few_blocks_tiling_sets_the_gemv_default_where_column_blocks_do_not_fill_the_gpu(monkeypatch):
     """FEW_BLOCKS_TILING (block_n, block_k, split_k) replaces the rule for a row of the
     1.3B shape's out and down projections only: whole heads stay whole, the wide in

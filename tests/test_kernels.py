@@ -259,7 +259,7 @@ def projection_test_tilings(M: int) -> list[dict]:
     # sm_90's 227 KB at a 256-wide gated-norm head on the H100 (237568 bytes asked)
     tilings = [{}, {"gemv": False, "split_k": 1}, {"gemv": False, "split_k": 4}, {"swap": True},
                {"swap": True, "block_n": 128, "split_k": 1, "num_stages": 2},
-               {"swap": True, "preload": True}, {"swap": True, "preload": True, "split_k": 8}]
+               {"swap": True, "preload": True}, {"swap": True, "preload": False}, {"swap": True, "split_k": 8}]
     if M <= 2:
         tilings += [{"gemv": True, "split_k": 1}, {"gemv": True, "split_k": 4, "block_n": 4},
                     {"gemv": True, "block_k": 256, "block_n": 8 // M, "split_k": 2},
@@ -770,6 +770,7 @@ PROJECTION_TILING_CASES = [
     (9, 128, 40, dict(swap=True, block_k=32, block_n=32, split_k=2)),    # weights on the MMA's M side
     (1, 96, 33, dict(swap=True, block_k=32, block_n=16)),
     (9, 128, 40, dict(swap=True, block_k=32, block_n=32, split_k=2, preload=True)),  # inputs a block ahead
+    (9, 128, 40, dict(swap=True, block_k=32, block_n=32, split_k=2, preload=False)),  # ... or staged by Triton
     (9, 96, 33, dict(gemv=False, block_k=32, block_n=16, preload=True)),
     (5, 128, 40, dict(swap=True, block_k=16, block_n=16, split_k=2, preload=True)),   # mean square 128 a step
 ]
