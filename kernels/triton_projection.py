@@ -73,8 +73,8 @@ SWAP_SHARED_BYTES = 192 << 10
 # registers a block ahead (`_dot_slice`'s PRELOAD) and splits K down to one block a slice. H100
 # sweep at 9 rows of the 1.3B out projection (benchmarks/results/h100/session30/): 7.31 us a
 # layer against 10.40 for the tiling without it (Triton's pipeliner then stages the inputs in
-# shared memory beside the weights: 184 KB, one program an SM); the SwiGLU down projection got
-# slower with it (14.27 against 12.24), so it keeps the plain form.
+# shared memory beside the weights: 213 KB, one program an SM, by ncu); the SwiGLU down
+# projection got slower with it (14.27 against 12.24), so it keeps the plain form.
 SWAP_PRELOAD = True
 # (block_n, block_k, split_k) of the GEMV form where the column blocks alone do not fill the
 # GPU (the 1.3B shape's out and down projections); None: `_tiling`'s rule. An H100 sweep of six
