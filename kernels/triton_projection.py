@@ -276,6 +276,7 @@ def _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl.
     (not with WAIT 2): the prologue's input tiles of the next K block are loaded before
     this block's arithmetic, so their round trip overlaps it instead of following it; the
     norm's mean square then sums RSTD_BK columns a step, not BK (fewer dependent loads)."""
+    tl.static_assert(not (PRELOAD and WAIT == 2), "preload prefetches inputs; a persistent phase prefetches weights")
     rows = tl.arange(0, BM)
     r_mask = rows < M
     offs = tl.arange(0, BK)
