@@ -424,15 +424,20 @@ class Bench:
                     "tree", *args, self.states[l], ttopo, block_v=bv),
                     topology="random", N=n, depth=depth_of(parents), block_v=bv)
 
-    def parallel_sweep(self, sizes=(4, 9, 16), pending: int = 8) -> None:
+    def parallel_sweep(self, sizes=(4, 9, 16), pending: int = 8, configs: list[dict] | None = None,
+                       models: tuple[str, ...] = ()) -> None:
         """The one-launch parallel form against the walk (chains) and the two-launch
         gram + solve (trees), at this bench's shape and the embedded model's, with and
         without a deferred commit of `pending` factors; and its K block, warps and V tile on
-        a chain of 9 (8 drafts and the root) and a random tree of 16."""
+        a chain of 9 (8 drafts and the root) and a random tree of 16. `configs` (keyword
+        dicts of `verify`) replace the tilings swept there, each checked against the
+        reference before it is timed; `models` limits the shapes."""
         tv = self.tv
         shapes = {"embedded": (6, 64, 64, torch.randn(self.layers, B, 6, 64, 64, device=self.dev)),
                   "gdn-1.3b": (H, K, V, self.states)}
         for model, (heads, key, value, states) in shapes.items():
+            if models and model not in models:
+                continue
             for n in sizes:
                 x = node_inputs(n, self.dev, seed=n, heads=heads, key=key, value=value)
                 args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
@@ -447,17 +452,34 @@ class Bench:
                             self.run("form", lambda l, mode=mode, topo=topo, form=form, P=P: tv.verify(
                                 mode, *args, states[l], topo, pending=folded if P else None, form=form),
                                 model=model, mode=mode, form=form, topology=topo_name, N=n, P=P)
-                        if (n, topo_name, P) not in ((9, "chain", pending), (16, "random", pending)):
+                        if configs is None and (n, topo_name, P) not in ((9, "chain", pending),
+                                                                         (16, "random", pending)):
                             continue
                         # around the default (K block 32, 4 warps, 16 V columns)
-                        configs = [dict(block_k=64),
-                                   dict(num_warps=2), dict(num_warps=8),
-                                   dict(block_k=key, num_warps=8), dict(block_v=32)]
-                        for cfg in configs:
+                        sweep = configs if configs is not None else [
+                            dict(block_k=64), dict(num_warps=2), dict(num_warps=8),
+                            dict(block_k=key, num_warps=8), dict(block_v=32)]
+                        for cfg in sweep:
+                            err = self.parallel_error(mode, args, states[0], parents, folded if P else None, cfg)
                             self.run("parallel_sweep", lambda l, mode=mode, topo=topo, cfg=cfg, P=P: tv.verify(
                                 mode, *args, states[l], topo, pending=folded if P else None,
                                 form="parallel", **cfg),
-                                model=model, mode=mode, topology=topo_name, N=n, P=P, **cfg)
+                                model=model, mode=mode, topology=topo_name, N=n, P=P, rel_err=err, **cfg)
+
+    def parallel_error(self, mode: str, args: tuple, S0: torch.Tensor, parents: list[int], pending,
+                       cfg: dict) -> float:
+        """The largest relative error of o, delta and the folded state of the parallel form with
+        `cfg` against the float64 reference, on a copy of S0."""
+        tv = self.tv
+        S = S0.clone()
+        o, d = tv.verify(mode, *args, S, Topo(parents, self.dev), pending=pending, form="parallel", **cfg)
+        cpu = [t.cpu().double() for t in args]
+        S_ref = S0.cpu().double()
+        if pending is not None:
+            S_ref = reference.commit_ref(S_ref, *(t.cpu().double() for t in pending))
+        want = reference.tree_verify_ref(*cpu, S_ref, torch.tensor(parents))
+        return max(float((got.cpu().double() - ref).norm() / ref.norm())
+                   for got, ref in ((o, want[0]), (d, want[1]), (S, S_ref)))
 
     # -- commit -------------------------------------------------------------------------
 
@@ -836,6 +858,12 @@ def main(argv=None) -> int:
                         help="JSON list of tilings (keyword dicts) the projection sweep times beside the default")
     parser.add_argument("--projection-names", default="",
                         help="comma list of words naming the projections swept (in, up, out, down; all if empty)")
+    parser.add_argument("--parallel-configs", type=json.loads, default=None,
+                        help="JSON list of keyword dicts of verify() the parallel sweep times at every "
+                             "size and topology (replacing its default tilings)")
+    parser.add_argument("--parallel-models", default="",
+                        help="comma list of the parallel sweep's shapes (embedded, gdn-1.3b; all if empty)")
+    parser.add_argument("--parallel-sizes", default="4,9,16", help="comma list of the parallel sweep's node counts")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -860,7 +888,9 @@ def main(argv=None) -> int:
                 ("commit", bench.commit_variants),
                 ("deferred", bench.deferred_variants),
                 ("sweep", bench.walk_sweep),
-                ("parallel", bench.parallel_sweep),
+                ("parallel", lambda: bench.parallel_sweep(
+                    tuple(int(n) for n in args.parallel_sizes.split(",")), configs=args.parallel_configs,
+                    models=tuple(filter(None, args.parallel_models.split(","))))),
                 ("pdl", bench.pdl_chain),
                 ("barrier", bench.barrier_cost),
                 ("cublas", bench.cublas_shapes),

@@ -55,6 +55,9 @@ DOT_PRECISION = "ieee"
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The walk kernels' tile orientation: [BV, K] (sums over K within a warp) or [K, BV]
 WALK_V_FIRST = False
+# Whether the parallel form builds (I + A)^-1 from the keys before it reads the state
+# (`_parallel_tile`'s GRAM_FIRST) rather than in the same pass
+PARALLEL_GRAM_FIRST = False
 
 
 # ---------------------------------------------------------------------------------------
@@ -525,6 +528,35 @@ def _inverse_times(A, A2, A4, A8, x, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _unit_lower_inverse(A, o_n, DOT_PRECISION: tl.constexpr):
+    """(I + A)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8) of a strictly lower triangular
+    [16, 16] A, as a matrix: four dependent products deep, where applying the factors to a
+    vector is seven."""
+    A2 = tl.dot(A, A, input_precision=DOT_PRECISION)
+    X = tl.where(o_n[:, None] == o_n[None, :], 1., 0.) - A
+    X += tl.dot(X, A2, input_precision=DOT_PRECISION)
+    A4 = tl.dot(A2, A2, input_precision=DOT_PRECISION)
+    X += tl.dot(X, A4, input_precision=DOT_PRECISION)
+    A8 = tl.dot(A4, A4, input_precision=DOT_PRECISION)
+    return X + tl.dot(X, A8, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _gram(q, k, rows, m_n, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+          DOT_PRECISION: tl.constexpr):
+    """K K^T and Q K^T [BN, BN] of one head's nodes."""
+    kk = tl.zeros([BN, BN], dtype=tl.float32)
+    qk = tl.zeros([BN, BN], dtype=tl.float32)
+    for i_k in range(K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+        kk += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
+        qk += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
+    return kk, qk
+
+
+@triton.jit
 def _parallel_tile(
     q, k, v, g, beta, parents, S, o, delta,
     stride_sb, stride_sh, stride_sk, stride_sv,
@@ -532,6 +564,7 @@ def _parallel_tile(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CHAIN: tl.constexpr, HAS_PENDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GRAM_FIRST: tl.constexpr = False,
 ):
     """The whole parallel form of one (batch, head, V tile): `_parallel_kernel`'s program
     (i_v, i_bh), or a unit of a persistent kernel's phase.
@@ -543,23 +576,38 @@ def _parallel_tile(
     the result (entries of A^n up to binomial(N, n) when every key is the same and beta ~ 1:
     relative error 1e-4 at N = 16 in that worst case), so one step of refinement follows
     where some |A_ij| > 1/2.
+
+    GRAM_FIRST orders it for latency: the state tile's load is issued first, then K K^T,
+    Q K^T and (I + A)^-1 are built from the keys and queries alone while it is in flight,
+    and the pass over the state computes only K S0 and Q S0; after it, u and o are one
+    product each.
     """
     i_b, i_h, i_bh, o_n, m_n, rows, o_v = _node_tile(N, H, BN, BV, i_v, i_bh)
+    p_S = S + i_b * stride_sb + i_h * stride_sh + o_v[None, :] * stride_sv
+    ks_all = tl.arange(0, K)
+    if GRAM_FIRST and HAS_PENDING:
+        h = tl.load(p_S + ks_all[:, None] * stride_sk)
     anc, G, decay = _tree_paths(g, parents, o_n, m_n, i_b, i_h, N, H, CHAIN)
+    b_beta = tl.load(beta + rows, mask=m_n, other=0.).to(tl.float32)
+    strict = anc & (o_n[:, None] != o_n[None, :])
+    if GRAM_FIRST:
+        kk, qk = _gram(q, k, rows, m_n, K, BN, BK, DOT_PRECISION)
+        A = tl.where(strict, b_beta[:, None] * decay * kk, 0.)
+        T = _unit_lower_inverse(A, o_n, DOT_PRECISION)
+    else:
+        kk = tl.zeros([BN, BN], dtype=tl.float32)
+        qk = tl.zeros([BN, BN], dtype=tl.float32)
 
-    kk = tl.zeros([BN, BN], dtype=tl.float32)
-    qk = tl.zeros([BN, BN], dtype=tl.float32)
     ks = tl.zeros([BN, BV], dtype=tl.float32)               # K S0
     qs = tl.zeros([BN, BV], dtype=tl.float32)               # Q S0
-    p_S = S + i_b * stride_sb + i_h * stride_sh + o_v[None, :] * stride_sv
     if HAS_PENDING:
         # the deferred commit on the whole [K, BV] tile first, as the walk does: folded block
         # by block inside the K pass it cost 2 us a block (H200, GDN-1.3B shape), and in closed
         # form inside it (K S = e^G_T K S0 + (K Kp'^T) Dp) 23.3 us a layer against 13.2 for 9
         # nodes and 8 pending factors (H100, benchmarks/results/h100/session25/)
-        ks_all = tl.arange(0, K)
-        h = _fold_pending(tl.load(p_S + ks_all[:, None] * stride_sk), kp, dp, gp, i_b, i_h, P,
-                          ks_all, o_v, H, K, V)
+        if not GRAM_FIRST:
+            h = tl.load(p_S + ks_all[:, None] * stride_sk)
+        h = _fold_pending(h, kp, dp, gp, i_b, i_h, P, ks_all, o_v, H, K, V)
         tl.store(p_S + ks_all[:, None] * stride_sk, h)
         tl.debug_barrier()        # the pass below reads the tile through other threads
     for i_k in range(K // BK):
@@ -567,27 +615,33 @@ def _parallel_tile(
         b_S = tl.load(p_S + o_k[:, None] * stride_sk)
         b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
         b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
-        kk += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
-        qk += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
+        if not GRAM_FIRST:
+            kk += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
+            qk += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
         ks += tl.dot(b_k, b_S, input_precision=DOT_PRECISION)
         qs += tl.dot(b_q, b_S, input_precision=DOT_PRECISION)
 
-    b_beta = tl.load(beta + rows, mask=m_n, other=0.).to(tl.float32)
-    strict = anc & (o_n[:, None] != o_n[None, :])
-    A = tl.where(strict, b_beta[:, None] * decay * kk, 0.)
+    if not GRAM_FIRST:
+        A = tl.where(strict, b_beta[:, None] * decay * kk, 0.)
     eG = tl.exp(G)
     b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
     rhs = b_beta[:, None] * (b_v - eG[:, None] * ks)
-    A2 = tl.dot(A, A, input_precision=DOT_PRECISION)
-    A4 = tl.dot(A2, A2, input_precision=DOT_PRECISION)
-    A8 = tl.dot(A4, A4, input_precision=DOT_PRECISION)
-    u = _inverse_times(A, A2, A4, A8, rhs, DOT_PRECISION)
-    if tl.max(tl.max(tl.abs(A), 1), 0) > 0.5:
-        # one step of refinement: the residual's terms are bounded (|A| <= 1, u bounded), so
-        # it is accurate where the product form's large intermediate terms are not. With
-        # every |A_ij| <= 1/2 they stay small: relative error 8e-7 at N = 16 unrefined.
-        u += _inverse_times(A, A2, A4, A8, rhs - u - tl.dot(A, u, input_precision=DOT_PRECISION),
-                            DOT_PRECISION)
+    if GRAM_FIRST:
+        u = tl.dot(T, rhs, input_precision=DOT_PRECISION)
+        if tl.max(tl.max(tl.abs(A), 1), 0) > 0.5:
+            u += tl.dot(T, rhs - u - tl.dot(A, u, input_precision=DOT_PRECISION),
+                        input_precision=DOT_PRECISION)
+    else:
+        A2 = tl.dot(A, A, input_precision=DOT_PRECISION)
+        A4 = tl.dot(A2, A2, input_precision=DOT_PRECISION)
+        A8 = tl.dot(A4, A4, input_precision=DOT_PRECISION)
+        u = _inverse_times(A, A2, A4, A8, rhs, DOT_PRECISION)
+        if tl.max(tl.max(tl.abs(A), 1), 0) > 0.5:
+            # one step of refinement: the residual's terms are bounded (|A| <= 1, u bounded), so
+            # it is accurate where the product form's large intermediate terms are not. With
+            # every |A_ij| <= 1/2 they stay small: relative error 8e-7 at N = 16 unrefined.
+            u += _inverse_times(A, A2, A4, A8, rhs - u - tl.dot(A, u, input_precision=DOT_PRECISION),
+                                DOT_PRECISION)
     b_o = eG[:, None] * qs + tl.dot(decay * qk, u, input_precision=DOT_PRECISION)
     m_out = m_n[:, None]
     tl.store(o + rows[:, None] * V + o_v[None, :], b_o, mask=m_out)
@@ -602,33 +656,41 @@ def _parallel_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CHAIN: tl.constexpr, HAS_PENDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GRAM_FIRST: tl.constexpr,
 ):
     """The whole parallel form of one (batch, head, V tile) a program (`_parallel_tile`)."""
     _parallel_tile(q, k, v, g, beta, parents, S, o, delta, stride_sb, stride_sh, stride_sk, stride_sv,
                    kp, dp, gp, P, N, tl.program_id(0), tl.program_id(1), H, K, V, BN, BK, BV,
-                   CHAIN, HAS_PENDING, DOT_PRECISION)
+                   CHAIN, HAS_PENDING, DOT_PRECISION, GRAM_FIRST)
 
 
 def _parallel_config(N: int, K: int, V: int, block_v: int | None = None, block_k: int | None = None,
-                     num_warps: int | None = None) -> dict:
+                     num_warps: int | None = None, num_stages: int | None = None,
+                     gram_first: bool | None = None) -> dict:
     BN = 16                                      # tl.dot's smallest tile; N <= 16
     # K blocks of 32: 5.2 us a layer against 7.7 for 64 at the embedded shape (K = 64), equal
     # at the 1.3B one (13.1, 12.9); 16 V columns and 4 warps were the best of the sweep
-    return dict(BN=BN, BK=min(K, block_k or 32), BV=min(V, block_v or 16), num_warps=num_warps or 4)
+    cfg = dict(BN=BN, BK=min(K, block_k or 32), BV=min(V, block_v or 16), num_warps=num_warps or 4,
+               GRAM_FIRST=PARALLEL_GRAM_FIRST if gram_first is None else gram_first)
+    if num_stages is not None:
+        cfg["num_stages"] = num_stages
+    return cfg
 
 
 def _parallel_verify(q, k, v, g, beta, S0, parents, chain_nodes, pending, o, delta,
-                     block_v=None, block_k=None, num_warps=None, dot_precision=None):
+                     block_v=None, block_k=None, num_warps=None, dot_precision=None, num_stages=None,
+                     gram_first=None):
     B, N, H, K = q.shape
     V = v.shape[-1]
-    cfg = _parallel_config(N, K, V, block_v, block_k, num_warps)
+    cfg = _parallel_config(N, K, V, block_v, block_k, num_warps, num_stages, gram_first)
+    launch = {k: cfg[k] for k in ("num_warps", "num_stages") if k in cfg}
     kp, dp, gp, P, has_pending = _pending_args(pending, q)
     _parallel_kernel[(V // cfg["BV"], B * H)](
         q, k, v, g, beta, parents, S0, o, delta, *_strides(S0),
         kp, dp, gp, P, N,
         H=H, K=K, V=V, BN=cfg["BN"], BK=cfg["BK"], BV=cfg["BV"],
         CHAIN=chain_nodes, HAS_PENDING=has_pending, DOT_PRECISION=dot_precision or DOT_PRECISION,
-        num_warps=cfg["num_warps"])
+        GRAM_FIRST=cfg["GRAM_FIRST"], **launch)
 
 
 def _tree_config(N: int, K: int, V: int, block_v: int | None = None) -> dict:
@@ -724,6 +786,7 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
            out: tuple[torch.Tensor, torch.Tensor] | None = None,
            block_v: int | None = None, num_warps: int | None = None, v_first: bool | None = None,
            form: str | None = None, block_k: int | None = None, dot_precision: str | None = None,
+           num_stages: int | None = None, gram_first: bool | None = None,
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Outputs and deltas [B,N,H,V] fp32 of every node of `topo` for one layer.
 
@@ -738,8 +801,8 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     or one-launch "parallel" form (6 <= N <= 16), a tree's one-launch "parallel" form
     (N <= 16) or its two-launch "gram_solve".
     For benchmarking, block_v overrides the V tile (every form), num_warps the warps,
-    v_first the walk's tile orientation, block_k and dot_precision the parallel form's K
-    block and tl.dot precision.
+    v_first the walk's tile orientation, block_k, dot_precision, num_stages and gram_first
+    the parallel form's K block, tl.dot precision, pipeline depth and order.
     """
     if mode not in MODES:
         raise ValueError(f"unknown verification mode {mode!r}; the kernels do {', '.join(MODES)}")
@@ -767,7 +830,8 @@ def verify(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         form = "parallel" if CHAIN_PARALLEL_MIN_NODES <= N <= PARALLEL_MAX_NODES else "walk"
     if form == "parallel" and N > PARALLEL_MAX_NODES:
         raise ValueError(f"the one-launch parallel form takes up to {PARALLEL_MAX_NODES} nodes, not {N}")
-    parallel_options = dict(block_k=block_k, num_warps=num_warps, dot_precision=dot_precision)
+    parallel_options = dict(block_k=block_k, num_warps=num_warps, dot_precision=dot_precision,
+                            num_stages=num_stages, gram_first=gram_first)
     if mode == "chain" and form == "walk":
         _chain_verify(q, k, v, g, beta, S0, pending, o, delta, block_v, num_warps, v_first)
     elif mode == "chain":

@@ -124,7 +124,8 @@ def check_verify(mode: str, parents: list[int], B: int, H: int, K: int, V: int, 
     return problems
 
 
-def check_repeated_keys(mode: str, n: int, H: int, K: int, V: int, device, seed: int = 0) -> list[str]:
+def check_repeated_keys(mode: str, n: int, H: int, K: int, V: int, device, seed: int = 0,
+                        **options) -> list[str]:
     """The parallel form where its repeated squaring rounds worst: every node the same key,
     beta near 1, little decay (a model repeating itself). Against the reference in float64."""
     from kernels import triton_verify
@@ -135,7 +136,7 @@ def check_repeated_keys(mode: str, n: int, H: int, K: int, V: int, device, seed:
     x["g"] = 0.01 * x["g"]
     args = [x[name] for name in ("q", "k", "v", "g", "beta", "S0")]
     o_ref, d_ref = reference.tree_verify_ref(*(a.cpu().double() for a in args), torch.tensor(parents))
-    o, d = triton_verify.verify(mode, *args, make_topo(parents, device), form="parallel")
+    o, d = triton_verify.verify(mode, *args, make_topo(parents, device), form="parallel", **options)
     errors = {"o": rel_err(o, o_ref), "delta": rel_err(d, d_ref)}
     return [f"{name}: relative error {err:.2e} >= {RTOL:.0e}" for name, err in errors.items() if not err < RTOL]
 
@@ -480,8 +481,9 @@ def test_verify_matches_reference(mode, form, topo_name, n, B, H, K, V, P):
 @needs_cuda
 @pytest.mark.parametrize("mode,n", [("chain", 9), ("chain", 16), ("tree", 16)])
 @pytest.mark.parametrize("K,V", [(256, 256), (64, 64)], ids=lambda x: str(x))
-def test_parallel_form_on_repeated_keys(mode, n, K, V):
-    assert not check_repeated_keys(mode, n, 8 if K == 256 else 6, K, V, "cuda")
+@pytest.mark.parametrize("gram_first", [False, True], ids=["one_pass", "gram_first"])
+def test_parallel_form_on_repeated_keys(mode, n, K, V, gram_first):
+    assert not check_repeated_keys(mode, n, 8 if K == 256 else 6, K, V, "cuda", gram_first=gram_first)
 
 
 @needs_cuda
@@ -496,11 +498,13 @@ def test_pending_counts(mode, P):
 @needs_cuda
 @pytest.mark.parametrize("P", [1, 8, 16, 20], ids=lambda p: f"P{p}")
 @pytest.mark.parametrize("mode,n", [("chain", 9), ("tree", 16)])
-def test_parallel_form_folds_pending(mode, n, P):
+@pytest.mark.parametrize("gram_first", [False, True], ids=["one_pass", "gram_first"])
+def test_parallel_form_folds_pending(mode, n, P, gram_first):
     """The pending commit folded into the state tile before the K pass, at the GDN-1.3B head
-    shape; 20 pending factors take two blocks."""
+    shape; 20 pending factors take two blocks. Both orders of the parallel form."""
     parents = chain(n) if mode == "chain" else random_tree(n, seed=P)
-    problems = check_verify(mode, parents, 1, 8, 256, 256, P, "cuda", seed=200 + P, form="parallel")
+    problems = check_verify(mode, parents, 1, 8, 256, 256, P, "cuda", seed=200 + P, form="parallel",
+                            gram_first=gram_first)
     assert not problems, problems
 
 
@@ -842,6 +846,7 @@ def interpreter_cases(group: str):
         for T in (0, 1, 5, 16, 37):      # 37: three blocks of the fold
             yield f"commit-T{T}-H2-K16-V32", lambda T=T: check_commit(2, T, 2, 16, 32, dev, seed=T)
         return
+    from kernels import triton_verify
     if group in ("tree", "hybrid"):
         yield f"{group}-N9-H2-K16-V16-swap", lambda: check_tree_swap(group, dev)
     parents = chain(9) if group == "chain" else random_tree(8, seed=3)
@@ -855,12 +860,16 @@ def interpreter_cases(group: str):
         topologies.append(("chain" if group == "chain" else "random", chain(17) if group == "chain"
                            else random_tree(17, seed=4)))
         for n in (9, 16):
-            yield (f"{group}-parallel-N{n}-repeated-keys",
-                   lambda n=n: check_repeated_keys(group, n, 2, 16, 16, dev, seed=n))
+            for gram_first in (False, True):
+                yield (f"{group}-parallel-N{n}-repeated-keys-gram_first={gram_first}",
+                       lambda n=n, gf=gram_first: check_repeated_keys(group, n, 2, 16, 16, dev, seed=n,
+                                                                      gram_first=gf))
     # every form and the walk's two tile orientations; P=20 folds a pending commit in two blocks
     variants = [{"form": "walk", "v_first": False}, {"form": "walk", "v_first": True}]
     for name, parents in topologies:
         options = [{"form": f} for f in forms(group, len(parents)) if f != "walk"]
+        if "parallel" in forms(group, len(parents)):
+            options.append({"form": "parallel", "gram_first": not triton_verify.PARALLEL_GRAM_FIRST})
         options += variants if "walk" in forms(group, len(parents)) else []
         for P in (0, 3, 20):
             for K, V in ((16, 16), (16, 32)):
