@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from kernels import l2_prefetch, pdl  # noqa: E402
 from kernels import triton_projection as projection, triton_recurrent_step as recurrent_step  # noqa: E402
+from kernels import triton_verify  # noqa: E402
 from specla.graphs import ops as graph_ops  # noqa: E402
 from specla.graphs import draft_step, whole_step  # noqa: E402
 from specla import runner  # noqa: E402
@@ -196,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
                         "end, +pfcapN: at most N MB of a matrix from a kernel of one or two rows, +pfrowsN: from "
                         "a kernel of more rows; +preload / +nopreload: the swapped projections load their inputs a "
                         "K block ahead or not (SWAP_PRELOAD), +swapwide: the swapped form for any width (the "
-                        "in and gate/up projections of a verification too, not fla's norm + cuBLAS)")
+                        "in and gate/up projections of a verification too, not fla's norm + cuBLAS); "
+                        "+gramfirst / +nogramfirst: the parallel verification builds (I + A)^-1 before it reads "
+                        "the state or not (PARALLEL_GRAM_FIRST in kernels/triton_verify.py)")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
     p.add_argument("--speed-limit", type=int, default=8)
     p.add_argument("--tokens", type=int, default=128)
@@ -223,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     swap_preload, swap_max_columns = projection.SWAP_PRELOAD, projection.SWAP_MAX_COLUMNS
     prefetch_at, prefetch_max, prefetch_max_rows = l2_prefetch.AT, l2_prefetch.MAX_BYTES, l2_prefetch.MAX_BYTES_ROWS
     prefetch_state = graph_ops.L2_PREFETCH_IN_STATE_STEPS
+    gram_first = triton_verify.PARALLEL_GRAM_FIRST
     for name in args.ops.split(","):
         ops, *flags = name.split("+")
         pdl.use_pdl("nopdl" not in flags)
@@ -240,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         projection.SWAP_MIN_BYTES = None if "noswap" in flags else swap_min_bytes
         projection.SWAP_PRELOAD = ("preload" in flags or swap_preload) and "nopreload" not in flags
         projection.SWAP_MAX_COLUMNS = 1 << 20 if "swapwide" in flags else swap_max_columns
+        triton_verify.PARALLEL_GRAM_FIRST = ("gramfirst" in flags or gram_first) and "nogramfirst" not in flags
         l2_prefetch.use_l2_prefetch("nopf" not in flags)
         graph_ops.L2_PREFETCH_IN_STATE_STEPS = ("pfrec" in flags or prefetch_state) and "pfnorec" not in flags
         l2_prefetch.AT = "start" if "pfstart" in flags else prefetch_at
@@ -268,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             graph_ops.L2_PREFETCH_IN_STATE_STEPS = prefetch_state
             l2_prefetch.AT, l2_prefetch.MAX_BYTES = prefetch_at, prefetch_max
             l2_prefetch.MAX_BYTES_ROWS = prefetch_max_rows
+            triton_verify.PARALLEL_GRAM_FIRST = gram_first
         result["variants"][name] = variant
         (args.out / "launch_counts.json").write_text(json.dumps(result, indent=1))   # kept if a later set fails
     return 0
