@@ -478,12 +478,17 @@ def test_verify_matches_reference(mode, form, topo_name, n, B, H, K, V, P):
     assert not problems, problems
 
 
+# the parallel form's orders and product precisions (verify keywords) its GPU tests cover
+PARALLEL_OPTIONS = [dict(gram_first=False, dot_precision="ieee"), dict(gram_first=True, dot_precision="ieee"),
+                    dict(gram_first=False, dot_precision="tf32x3"), dict(gram_first=True, dot_precision="tf32x3")]
+
+
 @needs_cuda
 @pytest.mark.parametrize("mode,n", [("chain", 9), ("chain", 16), ("tree", 16)])
 @pytest.mark.parametrize("K,V", [(256, 256), (64, 64)], ids=lambda x: str(x))
-@pytest.mark.parametrize("gram_first", [False, True], ids=["one_pass", "gram_first"])
-def test_parallel_form_on_repeated_keys(mode, n, K, V, gram_first):
-    assert not check_repeated_keys(mode, n, 8 if K == 256 else 6, K, V, "cuda", gram_first=gram_first)
+@pytest.mark.parametrize("options", PARALLEL_OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_parallel_form_on_repeated_keys(mode, n, K, V, options):
+    assert not check_repeated_keys(mode, n, 8 if K == 256 else 6, K, V, "cuda", **options)
 
 
 @needs_cuda
@@ -498,13 +503,13 @@ def test_pending_counts(mode, P):
 @needs_cuda
 @pytest.mark.parametrize("P", [1, 8, 16, 20], ids=lambda p: f"P{p}")
 @pytest.mark.parametrize("mode,n", [("chain", 9), ("tree", 16)])
-@pytest.mark.parametrize("gram_first", [False, True], ids=["one_pass", "gram_first"])
-def test_parallel_form_folds_pending(mode, n, P, gram_first):
+@pytest.mark.parametrize("options", PARALLEL_OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_parallel_form_folds_pending(mode, n, P, options):
     """The pending commit folded into the state tile before the K pass, at the GDN-1.3B head
-    shape; 20 pending factors take two blocks. Both orders of the parallel form."""
+    shape; 20 pending factors take two blocks. Both orders of the parallel form, and its
+    products on tensor cores."""
     parents = chain(n) if mode == "chain" else random_tree(n, seed=P)
-    problems = check_verify(mode, parents, 1, 8, 256, 256, P, "cuda", seed=200 + P, form="parallel",
-                            gram_first=gram_first)
+    problems = check_verify(mode, parents, 1, 8, 256, 256, P, "cuda", seed=200 + P, form="parallel", **options)
     assert not problems, problems
 
 
