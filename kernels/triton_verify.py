@@ -588,9 +588,11 @@ def _parallel_tile(
     if GRAM_FIRST and HAS_PENDING:
         h = tl.load(p_S + ks_all[:, None] * stride_sk)
     anc, G, decay = _tree_paths(g, parents, o_n, m_n, i_b, i_h, N, H, CHAIN)
-    b_beta = tl.load(beta + rows, mask=m_n, other=0.).to(tl.float32)
-    strict = anc & (o_n[:, None] != o_n[None, :])
     if GRAM_FIRST:
+        # beta and v loaded before the pass over the state, whose loop they would wait behind
+        b_beta = tl.load(beta + rows, mask=m_n, other=0.).to(tl.float32)
+        b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+        strict = anc & (o_n[:, None] != o_n[None, :])
         kk, qk = _gram(q, k, rows, m_n, K, BN, BK, DOT_PRECISION)
         A = tl.where(strict, b_beta[:, None] * decay * kk, 0.)
         T = _unit_lower_inverse(A, o_n, DOT_PRECISION)
@@ -622,9 +624,11 @@ def _parallel_tile(
         qs += tl.dot(b_q, b_S, input_precision=DOT_PRECISION)
 
     if not GRAM_FIRST:
+        b_beta = tl.load(beta + rows, mask=m_n, other=0.).to(tl.float32)
+        strict = anc & (o_n[:, None] != o_n[None, :])
         A = tl.where(strict, b_beta[:, None] * decay * kk, 0.)
+        b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
     eG = tl.exp(G)
-    b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
     rhs = b_beta[:, None] * (b_v - eG[:, None] * ks)
     if GRAM_FIRST:
         u = tl.dot(T, rhs, input_precision=DOT_PRECISION)
