@@ -56,8 +56,10 @@ OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The walk kernels' tile orientation: [BV, K] (sums over K within a warp) or [K, BV]
 WALK_V_FIRST = False
 # Whether the parallel form builds (I + A)^-1 from the keys before it reads the state
-# (`_parallel_tile`'s GRAM_FIRST) rather than in the same pass
+# (`_parallel_tile`'s GRAM_FIRST) rather than in the same pass, and its products' precision
+# ("tf32x3": three tf32 passes on tensor cores, near fp32)
 PARALLEL_GRAM_FIRST = False
+PARALLEL_DOT_PRECISION = DOT_PRECISION
 
 
 # ---------------------------------------------------------------------------------------
@@ -693,7 +695,7 @@ def _parallel_verify(q, k, v, g, beta, S0, parents, chain_nodes, pending, o, del
         q, k, v, g, beta, parents, S0, o, delta, *_strides(S0),
         kp, dp, gp, P, N,
         H=H, K=K, V=V, BN=cfg["BN"], BK=cfg["BK"], BV=cfg["BV"],
-        CHAIN=chain_nodes, HAS_PENDING=has_pending, DOT_PRECISION=dot_precision or DOT_PRECISION,
+        CHAIN=chain_nodes, HAS_PENDING=has_pending, DOT_PRECISION=dot_precision or PARALLEL_DOT_PRECISION,
         GRAM_FIRST=cfg["GRAM_FIRST"], **launch)
 
 
