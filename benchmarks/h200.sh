@@ -14,7 +14,8 @@
 # STEP_OPS; needs data/corpus/heldout_prompts.jsonl),
 # app (benchmarks/app_vs_bench.py: the real app over HTTP against the bench's rows; options in APP_ARGS,
 # cases named without spaces, e.g. --cases block_chain,lilicorr_best-first_16), launch-counts (kernels per step body),
-# projection-sweep (benchmarks/bench_kernels.py --only projection), gemv (--only gemv), parallel (--only parallel,pdl), ops-compare (fla against the fused projections,
+# projection-sweep (benchmarks/bench_kernels.py --only projection), gemv (--only gemv), parallel (--only parallel,pdl),
+# parallel-orders (the parallel verification's gram_first and tf32x3 forms: sweep, GPU tests, 1.3B step), ops-compare (fla against the fused projections,
 # embedded and 1.3B, with the embedded pair's speed on held-out prompts); issue #16's per-kernel profile at the 1.3B shape:
 #   LAUNCH_ARGS="--model gdn-1.3b-random --budget 8" bash benchmarks/h200.sh launch-counts,
 # speedup (run_acceptance.py --speedup on the GPU, SPEEDUP_ROWS), head (the LiLiCorr head's share of a GDN-1.3B-shape step; options in HEAD_ARGS), head-kernels (benchmarks/bench_lilicorr.py,
@@ -60,6 +61,20 @@ for stage in "$@"; do
     parallel) # the one-launch parallel verify against the walk and gram + solve, and PDL on the projections
       timeout "${T_PARALLEL:-240}" python3 benchmarks/bench_kernels.py --out "$R/parallel" --only parallel,pdl \
         ${QUICK:---quick} 2>&1 | tee "$R/log_parallel.txt" ;;
+    parallel-orders) # issue #16: the parallel verification's orders and product precisions at the 1.3B
+      # shape (each config checked against the float64 reference, then timed), the GPU tests of both,
+      # and the 1.3B step with each (needs data/corpus/heldout_prompts.jsonl); ~420 s on a cold machine
+      timeout "${T_PARALLEL_ORDERS:-100}" python3 benchmarks/bench_kernels.py --out "$R/parallel_orders" \
+        --only parallel --quick --parallel-models gdn-1.3b --parallel-sizes 9,16 --parallel-configs \
+        '[{}, {"gram_first": true}, {"dot_precision": "tf32x3"}, {"gram_first": true, "dot_precision": "tf32x3"}]' \
+        2>&1 | tee "$R/log_parallel_orders.txt"
+      timeout "${T_PARALLEL_TESTS:-120}" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+        -k "parallel_form_folds_pending or parallel_form_on_repeated" > "$R/gpu_tests_parallel.txt" 2>&1
+      tail -2 "$R/gpu_tests_parallel.txt"
+      timeout "${T_PARALLEL_COUNTS:-200}" python3 benchmarks/launch_counts.py --out "$R/lc_parallel" \
+        --model gdn-1.3b-random --budget 8 --ops fused,fused+gramfirst,fused+tf32x3 \
+        --speed-prompts data/corpus/heldout_prompts.jsonl --speed-limit 4 --tokens 128 \
+        2>&1 | tee "$R/log_lc_parallel.txt" ;;
     head) bench head "${T_HEAD:-300}" ${HEAD_ARGS:-} ;;
     head-kernels) timeout "${T_HEAD_KERNELS:-300}" python3 benchmarks/bench_lilicorr.py --out "$R" ${HEAD_KERNELS_ARGS:-} \
              2>&1 | tee "$R/log_bench_lilicorr.txt" ;;
