@@ -142,13 +142,17 @@ def verify_launches(pending: int = 8) -> list[tuple[str, tuple]]:
     from tests.test_decode_step import SHAPES as STEP_SHAPES, random_weights
 
     z, out = torch.zeros, []
-    for H, K, N in ((8, 256, 9), (6, 64, 16)):
+    # the parallel form's default, and at the 1.3B shape its other orders and product precisions
+    forms = {(8, 256, 9): ({}, {"gram_first": True}, {"dot_precision": "tf32x3"},
+                           {"gram_first": True, "dot_precision": "tf32x3"}), (6, 64, 16): ({},)}
+    for (H, K, N), options in forms.items():
         x = [z(1, N, H, K) for _ in range(3)] + [z(1, N, H), z(1, N, H), z(1, H, K, K)]
         pend = (z(1, pending, H, K), z(1, pending, H, K), z(1, pending, H))
-        launch = recorded_launches(lambda: triton_verify._parallel_verify(
-            *x, torch.arange(-1, N - 1), True, pend, z(1, N, H, K), z(1, N, H, K)),
-            ["_parallel_kernel"], triton_verify)[0]
-        out.append((f"K={K} N={N} P={pending}", launch))
+        for option in options:
+            launch = recorded_launches(lambda: triton_verify._parallel_verify(
+                *x, torch.arange(-1, N - 1), True, pend, z(1, N, H, K), z(1, N, H, K), **option),
+                ["_parallel_kernel"], triton_verify)[0]
+            out.append((" ".join([f"K={K} N={N} P={pending}"] + [f"{k}={v}" for k, v in option.items()]), launch))
     L, D, H, K, V, W, I, vocab = STEP_SHAPES["embedded"]
     wt = random_weights(L, D, H, K, V, W, I, vocab, torch.bfloat16, "cpu", False, 0)
     n, C = 16, H * (2 * K + V)
