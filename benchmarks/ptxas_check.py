@@ -152,6 +152,7 @@ def verify_launches(pending: int = 8) -> list[tuple[str, tuple]]:
             launch = recorded_launches(lambda: triton_verify._parallel_verify(
                 *x, torch.arange(-1, N - 1), True, pend, z(1, N, H, K), z(1, N, H, K), **option),
                 ["_parallel_kernel"], triton_verify)[0]
+            launch[2]["PREFETCH_STATE"] = launch[2]["GRAM_FIRST"]      # as on an sm_90 device
             out.append((" ".join([f"K={K} N={N} P={pending}"] + [f"{k}={v}" for k, v in option.items()]), launch))
     L, D, H, K, V, W, I, vocab = STEP_SHAPES["embedded"]
     wt = random_weights(L, D, H, K, V, W, I, vocab, torch.bfloat16, "cpu", False, 0)

@@ -71,6 +71,14 @@ def _bulk_prefetch(addr, size):
 
 
 @triton.jit
+def l2_prefetch_lines(ptrs):
+    """Ask L2 for the cache line of each pointer of the block `ptrs` (scattered rows, where a
+    bulk prefetch wants one contiguous range); nothing waits for them."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def l2_prefetch_share(base, nbytes, part, parts):
     """Program `part` of `parts` prefetches its 16-byte-aligned share of [base, base + nbytes)."""
     share = tl.cdiv(tl.cdiv(nbytes, parts), 16) * 16

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.l2_prefetch import l2_prefetch_applies, l2_prefetch_lines
 from kernels.reference import heavy_light_chains
 
 MODES = ("chain", "tree", "hybrid")
@@ -566,7 +567,7 @@ def _parallel_tile(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CHAIN: tl.constexpr, HAS_PENDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    GRAM_FIRST: tl.constexpr = False,
+    GRAM_FIRST: tl.constexpr = False, PREFETCH_STATE: tl.constexpr = False,
 ):
     """The whole parallel form of one (batch, head, V tile): `_parallel_kernel`'s program
     (i_v, i_bh), or a unit of a persistent kernel's phase.
@@ -579,16 +580,18 @@ def _parallel_tile(
     relative error 1e-4 at N = 16 in that worst case), so one step of refinement follows
     where some |A_ij| > 1/2.
 
-    GRAM_FIRST orders it for latency: the state tile's load is issued first, then K K^T,
-    Q K^T and (I + A)^-1 are built from the keys and queries alone while it is in flight,
-    and the pass over the state computes only K S0 and Q S0; after it, u and o are one
-    product each.
+    GRAM_FIRST orders it for latency: K K^T, Q K^T and (I + A)^-1 are built from the keys
+    and queries alone first, and the pass over the state computes only K S0 and Q S0; after
+    it, u and o are one product each. With PREFETCH_STATE the state tile's lines are asked of
+    L2 before that, so its trip from HBM overlaps the products (with HAS_PENDING the tile is
+    then folded from L2; holding it in registers across them took all 255 of sm_90's).
     """
     i_b, i_h, i_bh, o_n, m_n, rows, o_v = _node_tile(N, H, BN, BV, i_v, i_bh)
     p_S = S + i_b * stride_sb + i_h * stride_sh + o_v[None, :] * stride_sv
     ks_all = tl.arange(0, K)
-    if GRAM_FIRST and HAS_PENDING:
-        h = tl.load(p_S + ks_all[:, None] * stride_sk)
+    if GRAM_FIRST and PREFETCH_STATE:
+        # the first line of each of the tile's rows: all of it for BV <= 32
+        l2_prefetch_lines(S + i_b * stride_sb + i_h * stride_sh + i_v * BV * stride_sv + ks_all * stride_sk)
     anc, G, decay = _tree_paths(g, parents, o_n, m_n, i_b, i_h, N, H, CHAIN)
     if GRAM_FIRST:
         # beta and v loaded before the pass over the state, whose loop they would wait behind
@@ -609,9 +612,8 @@ def _parallel_tile(
         # by block inside the K pass it cost 2 us a block (H200, GDN-1.3B shape), and in closed
         # form inside it (K S = e^G_T K S0 + (K Kp'^T) Dp) 23.3 us a layer against 13.2 for 9
         # nodes and 8 pending factors (H100, benchmarks/results/h100/session25/)
-        if not GRAM_FIRST:
-            h = tl.load(p_S + ks_all[:, None] * stride_sk)
-        h = _fold_pending(h, kp, dp, gp, i_b, i_h, P, ks_all, o_v, H, K, V)
+        h = _fold_pending(tl.load(p_S + ks_all[:, None] * stride_sk), kp, dp, gp, i_b, i_h, P,
+                          ks_all, o_v, H, K, V)
         tl.store(p_S + ks_all[:, None] * stride_sk, h)
         tl.debug_barrier()        # the pass below reads the tile through other threads
     for i_k in range(K // BK):
@@ -663,12 +665,12 @@ def _parallel_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CHAIN: tl.constexpr, HAS_PENDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    GRAM_FIRST: tl.constexpr,
+    GRAM_FIRST: tl.constexpr, PREFETCH_STATE: tl.constexpr,
 ):
     """The whole parallel form of one (batch, head, V tile) a program (`_parallel_tile`)."""
     _parallel_tile(q, k, v, g, beta, parents, S, o, delta, stride_sb, stride_sh, stride_sk, stride_sv,
                    kp, dp, gp, P, N, tl.program_id(0), tl.program_id(1), H, K, V, BN, BK, BV,
-                   CHAIN, HAS_PENDING, DOT_PRECISION, GRAM_FIRST)
+                   CHAIN, HAS_PENDING, DOT_PRECISION, GRAM_FIRST, PREFETCH_STATE)
 
 
 def _parallel_config(N: int, K: int, V: int, block_v: int | None = None, block_k: int | None = None,
@@ -697,7 +699,8 @@ def _parallel_verify(q, k, v, g, beta, S0, parents, chain_nodes, pending, o, del
         kp, dp, gp, P, N,
         H=H, K=K, V=V, BN=cfg["BN"], BK=cfg["BK"], BV=cfg["BV"],
         CHAIN=chain_nodes, HAS_PENDING=has_pending, DOT_PRECISION=dot_precision or PARALLEL_DOT_PRECISION,
-        GRAM_FIRST=cfg["GRAM_FIRST"], **launch)
+        GRAM_FIRST=cfg["GRAM_FIRST"], PREFETCH_STATE=cfg["GRAM_FIRST"] and l2_prefetch_applies(q.device),
+        **launch)
 
 
 def _tree_config(N: int, K: int, V: int, block_v: int | None = None) -> dict:
