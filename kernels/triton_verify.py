@@ -583,8 +583,8 @@ def _parallel_tile(
     GRAM_FIRST orders it for latency: K K^T, Q K^T and (I + A)^-1 are built from the keys
     and queries alone first, and the pass over the state computes only K S0 and Q S0; after
     it, u and o are one product each. With PREFETCH_STATE the state tile's lines are asked of
-    L2 before that, so its trip from HBM overlaps the products (with HAS_PENDING the tile is
-    then folded from L2; holding it in registers across them took all 255 of sm_90's).
+    L2 before that, so its trip from HBM overlaps the products and the pending fold reads it
+    from L2 (no registers held across them).
     """
     i_b, i_h, i_bh, o_n, m_n, rows, o_v = _node_tile(N, H, BN, BV, i_v, i_bh)
     p_S = S + i_b * stride_sb + i_h * stride_sh + o_v[None, :] * stride_sv
