@@ -19,6 +19,7 @@ the handlers resolve it to a runtime on every call.
 from __future__ import annotations
 
 import functools
+import contextlib
 import html
 import json
 import logging
@@ -59,6 +60,7 @@ CONTROL_RANGES: dict[str, tuple[float, float | None]] = {
 N_VIEWS = 11   # status, text, step, slider, tree, lattice, commit, speedup, summary, trace, cursor
 N_REPLAY = N_VIEWS + 1 + len(CONTROLS) + 1   # the views, the prompt, every control, the preset note
 SKIP_VIEWS = (gr.skip(),) * N_VIEWS
+KEPT_TRACE = 9   # the index of the kept trace (gr.State) among the views
 CSS = """
 #status {min-height: 1.6em}
 .specla-note {color: #92400e; background: #fffbeb; border-radius: 6px; padding: 4px 8px}
@@ -171,6 +173,34 @@ def quiet(n_outputs: int = 1) -> Callable:
                 return gr.skip() if n_outputs == 1 else (gr.skip(),) * n_outputs
         return wrapper
     return decorate
+
+
+class DrawPace:
+    """When a streamed run may draw its next partial trace.
+
+    On a 2-CPU machine drawing the views costs the server ~0.2 s (plotly builds four
+    figures) and the browser ~0.4 s (median long task). Drawn every quarter second, the
+    page falls behind the stream and answers no click, Stop's included, until it catches
+    up. So a draw is due
+    only when DRAW_SPACING times the last draw's server cost has passed since it began,
+    and never sooner than MIN_SECONDS.
+    """
+
+    DRAW_SPACING = 6.0
+    MIN_SECONDS = 0.25
+
+    def __init__(self):
+        self.last_start, self.last_cost = -float("inf"), 0.0
+
+    def due(self) -> bool:
+        wait = max(self.MIN_SECONDS, self.DRAW_SPACING * self.last_cost)
+        return time.perf_counter() - self.last_start >= wait
+
+    @contextlib.contextmanager
+    def drawing(self) -> Iterator[None]:
+        self.last_start = time.perf_counter()
+        yield
+        self.last_cost = time.perf_counter() - self.last_start
 
 
 def snapshot(trace: dict) -> dict:
@@ -403,7 +433,7 @@ class Explorer:
         # the kept trace is cleared here, so a Stop before the first step keeps nothing stale
         yield ((f"Measuring the AR baseline on {runner.hardware_name(runtime.device)}, then decoding…",)
                + (gr.skip(),) * (N_VIEWS - 3) + (None, None))
-        trace = None
+        trace, pace = None, DrawPace()
         for update in self._updates(model, prompt, settings):
             if update is None:     # a step with nothing new to show: yielding lets Stop cancel here
                 yield SKIP_VIEWS
@@ -413,10 +443,16 @@ class Explorer:
                 continue
             first = trace is None or not trace["steps"]
             trace = snapshot(update)
+            if not first and not pace.due():   # keep it (Stop shows it), draw a later one
+                yield SKIP_VIEWS[:KEPT_TRACE] + (trace, gr.skip())
+                continue
             if first and trace["steps"]:      # the server's side of the Run-to-first-step latency
                 log.info("first step drawn %.0f ms after Run (stages: %s)", 1e3 * (time.perf_counter() - started),
                          trace.get("latency_ms"))
-            yield self.views(trace, len(trace["steps"]) - 1, None, self._status(runtime, trace, settings, False))
+            with pace.drawing():
+                views = self.views(trace, len(trace["steps"]) - 1, None,
+                                   self._status(runtime, trace, settings, False))
+            yield views
         if trace is not None:   # complete again, so an API client's last output has every view
             yield self.views(trace, len(trace["steps"]) - 1, None, self._status(runtime, trace, settings, True))
 

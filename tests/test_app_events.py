@@ -527,6 +527,24 @@ def test_the_kept_trace_is_a_snapshot_that_later_steps_cannot_change(rt, beam_tr
         validate_trace(trace)
 
 
+def test_a_fast_stream_draws_at_the_pace_of_drawing_and_keeps_every_trace(rt, beam_trace):
+    """Partial traces that come faster than the page can draw them are kept (Stop redraws the
+    newest) but not drawn: a page drawing behind the stream stops answering clicks."""
+    n = len(beam_trace["steps"])
+
+    def burst(model, prompt, settings):
+        for k in range(1, n + 1):
+            yield runner.reveal(beam_trace, k)
+
+    outs = drain(Explorer(rt, burst).on_run("def f(x):", *control_values(rt, drafter=runner.ORACLE)))
+    kept = [o[9] for o in outs if isinstance(o[9], dict) and "steps" in o[9]]
+    drawn = [o for o in outs if o[4] != gr.skip()]
+    assert [len(t["steps"]) for t in kept] == list(range(1, n + 1)) + [n], "every partial trace is kept"
+    assert len(drawn) == 2, "the first step, then (the burst lasting less than a draw's spacing) the whole trace"
+    assert outs[-1][0].startswith(DONE) and len(outs[-1][9]["steps"]) == n
+    assert f"after {n} steps" in Explorer(rt).on_stop(kept[-2], None)[0], "Stop draws the newest kept trace"
+
+
 def test_heartbeats_become_empty_updates_and_a_cancel_stops_within_one_step(rt):
     """Gradio cancels a generator between yields: one yield per engine step bounds Stop to one step."""
     pulled, closed = [], []
