@@ -39,6 +39,7 @@ from specla.graphs import ops as graph_ops  # noqa: E402
 from specla.graphs import draft_step, whole_step  # noqa: E402
 from specla import runner  # noqa: E402
 from specla.acceptance import read_prompts  # noqa: E402
+from specla.bench.measure import decode_bytes  # noqa: E402
 from specla.decode import DecodeSettings  # noqa: E402
 from specla.drafters.base import DraftSettings  # noqa: E402
 from specla.drafters.oracle import OracleDrafter  # noqa: E402
@@ -134,16 +135,16 @@ def drafter_for(runtime, engine, prompt: list[int], settings: DecodeSettings, ar
 
 
 def weight_floor(runtime) -> dict:
-    """The bytes a step must read at least (every weight once) and, on a GPU, the time that takes
-    at the measured copy bandwidth: what the AR step's kernel time is to be held against."""
-    target = runtime.target
-    weights = sum(p.numel() * p.element_size() for p in target.parameters())
-    out = {"weight_bytes": weights}
+    """The bytes an AR step must move at least (`decode_bytes`: every weight once, one row of an
+    untied embedding, the state and conv window read and written) and, on a GPU, the time
+    that takes at the measured copy bandwidth: what the AR step's kernel time is held against."""
+    nbytes = decode_bytes(runtime.target)
+    out = {"floor_bytes": nbytes["total"], "floor_bytes_parts": nbytes}
     if runtime.device.type == "cuda":
         from benchmarks.bench_kernels import copy_bandwidth
 
         out["copy_GBps"] = copy_bandwidth(runtime.device)["median"]
-        out["floor_us"] = weights / (out["copy_GBps"] * 1e3)
+        out["floor_us"] = nbytes["total"] / (out["copy_GBps"] * 1e3)
     return out
 
 

@@ -240,13 +240,15 @@ def test_launch_counts_profiles_every_body_of_a_step(tmp_path, one_thread):
 def test_launch_counts_profiles_the_oracle_step_of_another_model(tmp_path, one_thread):
     """launch_counts.py on one of the runner's other models with its oracle drafter (on the GPU:
     the GDN-1.3B shape, issue #16's profile): the oracle's device step is counted, and the file
-    names the model and the bytes of its weights."""
+    names the model and the bytes its AR step must move (the bench's decode_bytes)."""
     module = _launch_counts_module()
     assert module.main(["--out", str(tmp_path), "--device", "cpu", "--model", "random-tiny",
                         "--drafter", "oracle", "--budget", "8"]) == 0
     result = json.loads((tmp_path / "launch_counts.json").read_text())
     assert "tiny random" in result["model"] and result["settings"]["drafter"] == "oracle"
-    assert result["weight_bytes"] > 0 and "floor_us" not in result          # no GPU: no bandwidth
+    floor = result["floor_bytes_parts"]
+    assert result["floor_bytes"] == floor["total"] == floor["weights"] + floor["state_rw"] + floor["conv_rw"] > 0
+    assert floor["state_rw"] > 0 and "floor_us" not in result          # no GPU: no bandwidth
     bodies = result["variants"]["auto"]["bodies"]
     assert bodies["draft"]["launches"] > 0 and bodies["verify"]["launches"] > bodies["ar_step"]["launches"]
     ar = result["variants"]["auto"]["ar_ms_per_token"]        # the AR step's wall time, any model
