@@ -1,7 +1,9 @@
 """Shared test fixtures: tiny random-weight GDN targets whose logits are far from uniform."""
 from __future__ import annotations
 
+import contextlib
 import socket
+from typing import Iterator
 
 import torch
 
@@ -46,3 +48,17 @@ def default_runtime():
     from specla import runner
     return (runner.load_runtime(device="cpu") if (runner.ASSETS / "target").exists()
             else runner.tiny_random_runtime())
+
+
+@contextlib.contextmanager
+def served(demo) -> Iterator[str]:
+    """`demo` queued and served on a free localhost port (no SSR, as the app launches it):
+    its address, until the block ends."""
+    from specla import explorer
+    demo.queue(default_concurrency_limit=4)
+    _, address, _ = demo.launch(prevent_thread_lock=True, ssr_mode=False, server_name="127.0.0.1",
+                                server_port=free_port(), quiet=True, **explorer.LAUNCH_KWARGS)
+    try:
+        yield address
+    finally:
+        demo.close()

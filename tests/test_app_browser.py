@@ -30,7 +30,7 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwr
 
 from specla import explorer, runner  # noqa: E402
 from specla.trace import MAX_TRACE_BYTES, load_trace  # noqa: E402
-from tests.helpers import default_runtime, free_port  # noqa: E402
+from tests.helpers import default_runtime, served  # noqa: E402
 
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
@@ -71,12 +71,8 @@ def _one_thread(one_thread):
 def app():
     rt = default_runtime()
     engine = Engine(rt)
-    demo = explorer.build_demo(rt, run_fn=engine)
-    demo.queue(default_concurrency_limit=4)
-    _, address, _ = demo.launch(prevent_thread_lock=True, ssr_mode=False, server_name="127.0.0.1",
-                                server_port=free_port(), quiet=True, **explorer.LAUNCH_KWARGS)
-    yield address, engine, rt
-    demo.close()
+    with served(explorer.build_demo(rt, run_fn=engine)) as address:
+        yield address, engine, rt
 
 
 @pytest.fixture(scope="module")

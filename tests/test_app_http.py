@@ -23,7 +23,7 @@ from gradio_client import Client, handle_file  # noqa: E402
 from specla import explorer, runner  # noqa: E402
 from specla.api_client import arrivals  # noqa: E402
 from specla.trace import MAX_TRACE_BYTES, load_trace  # noqa: E402
-from tests.helpers import default_runtime, free_port  # noqa: E402
+from tests.helpers import default_runtime, served  # noqa: E402
 
 STATUS, TEXT, SUMMARY = 0, 1, 8     # API outputs: the views without the two gr.State values
 
@@ -36,12 +36,8 @@ def _one_thread(one_thread):
 @pytest.fixture(scope="module")
 def app():
     rt = default_runtime()
-    demo = explorer.build_demo(rt, model_limit=1)
-    demo.queue(default_concurrency_limit=4)
-    _, url, _ = demo.launch(prevent_thread_lock=True, ssr_mode=False, server_name="127.0.0.1",
-                            server_port=free_port(), quiet=True, **explorer.LAUNCH_KWARGS)
-    yield rt, url
-    demo.close()
+    with served(explorer.build_demo(rt, model_limit=1)) as url:
+        yield rt, url
 
 
 def client(url: str, tmp_path) -> Client:
