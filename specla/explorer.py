@@ -18,8 +18,8 @@ the handlers resolve it to a runtime on every call.
 """
 from __future__ import annotations
 
-import functools
 import contextlib
+import functools
 import html
 import json
 import logging
@@ -181,9 +181,8 @@ class DrawPace:
     On a 2-CPU machine drawing the views costs the server ~0.2 s (plotly builds four
     figures) and the browser ~0.4 s (median long task). Drawn every quarter second, the
     page falls behind the stream and answers no click, Stop's included, until it catches
-    up. So a draw is due
-    only when DRAW_SPACING times the last draw's server cost has passed since it began,
-    and never sooner than MIN_SECONDS.
+    up. So a draw is due only when DRAW_SPACING times the last draw's server cost has
+    passed since it began, and never sooner than MIN_SECONDS.
     """
 
     DRAW_SPACING = 6.0
