@@ -15,8 +15,9 @@
 # app (benchmarks/app_vs_bench.py: the real app over HTTP against the bench's rows; options in APP_ARGS,
 # cases named without spaces, e.g. --cases block_chain,lilicorr_best-first_16), launch-counts (kernels per step body),
 # projection-sweep (benchmarks/bench_kernels.py --only projection), gemv (--only gemv), parallel (--only parallel,pdl),
-# parallel-orders (the parallel verification's gram_first and tf32x3 forms: sweep, GPU tests, 1.3B step), ops-compare (fla against the fused projections,
-# embedded and 1.3B, with the embedded pair's speed on held-out prompts); issue #16's per-kernel profile at the 1.3B shape:
+# parallel-orders (the parallel verification's gram_first and tf32x3 forms: sweep, GPU tests, 1.3B step),
+# preload (the 1.3B step with the swapped projections' inputs preloaded or not, their GPU tests),
+# ops-compare (fla against the fused projections, embedded and 1.3B, with the embedded pair's speed on held-out prompts); issue #16's per-kernel profile at the 1.3B shape:
 #   LAUNCH_ARGS="--model gdn-1.3b-random --budget 8" bash benchmarks/h200.sh launch-counts,
 # speedup (run_acceptance.py --speedup on the GPU, SPEEDUP_ROWS), head (the LiLiCorr head's share of a GDN-1.3B-shape step; options in HEAD_ARGS), head-kernels (benchmarks/bench_lilicorr.py,
 # its options in HEAD_KERNELS_ARGS), acceptance,
@@ -75,6 +76,17 @@ for stage in "$@"; do
         --model gdn-1.3b-random --budget 8 --ops fused,fused+gramfirst,fused+tf32x3 \
         --speed-prompts data/corpus/heldout_prompts.jsonl --speed-limit 4 --tokens 128 \
         2>&1 | tee "$R/log_lc_parallel.txt" ;;
+    preload) # issue #16: the swapped projections' inputs loaded a block ahead or not (session 30's default,
+      # never timed in a whole step), then the GPU tests of the projections, the L2 prefetch and per-op exactness
+      timeout "${T_PRELOAD_COUNTS:-200}" python3 benchmarks/launch_counts.py --out "$R/lc_preload" \
+        --model gdn-1.3b-random --budget 8 --ops fused,fused+nopreload \
+        --speed-prompts data/corpus/heldout_prompts.jsonl --speed-limit 4 --tokens 128 \
+        2>&1 | tee "$R/log_lc_preload.txt"
+      timeout "${T_PRELOAD_TESTS:-200}" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+        -k "projection_matches_reference and gated_norm" > "$R/gpu_tests_preload.txt" 2>&1
+      timeout "${T_PRELOAD_TESTS:-200}" python3 -m pytest -q -p no:cacheprovider tests/test_l2_prefetch.py \
+        tests/test_gpu_runtime.py -k "prefetch or per_op_verification_equals_ar" >> "$R/gpu_tests_preload.txt" 2>&1
+      grep -E "passed|failed" "$R/gpu_tests_preload.txt" ;;
     head) bench head "${T_HEAD:-300}" ${HEAD_ARGS:-} ;;
     head-kernels) timeout "${T_HEAD_KERNELS:-300}" python3 benchmarks/bench_lilicorr.py --out "$R" ${HEAD_KERNELS_ARGS:-} \
              2>&1 | tee "$R/log_bench_lilicorr.txt" ;;
