@@ -178,11 +178,11 @@ def quiet(n_outputs: int = 1) -> Callable:
 class DrawPace:
     """When a streamed run may draw its next partial trace.
 
-    On a 2-CPU machine drawing the views costs the server ~0.2 s (plotly builds four
-    figures) and the browser ~0.4 s (median long task). Drawn every quarter second, the
-    page falls behind the stream and answers no click, Stop's included, until it catches
-    up. So a draw is due only when DRAW_SPACING times the last draw's server cost has
-    passed since it began, and never sooner than MIN_SECONDS.
+    Each draw costs the server four plotly figures and the browser a longer render of them.
+    A page sent draws faster than it renders them falls behind the stream and answers no
+    click, Stop's included, until it catches up. So a draw is due only when DRAW_SPACING
+    times the last draw's server cost (the measurable stand-in for the browser's) has passed
+    since it began, and never sooner than MIN_SECONDS.
     """
 
     DRAW_SPACING = 6.0
@@ -443,7 +443,7 @@ class Explorer:
             first = trace is None or not trace["steps"]
             trace = snapshot(update)
             if not first and not pace.due():   # keep it (Stop shows it), draw a later one
-                yield SKIP_VIEWS[:KEPT_TRACE] + (trace, gr.skip())
+                yield SKIP_VIEWS[:KEPT_TRACE] + (trace,) + SKIP_VIEWS[KEPT_TRACE + 1:]
                 continue
             if first and trace["steps"]:      # the server's side of the Run-to-first-step latency
                 log.info("first step drawn %.0f ms after Run (stages: %s)", 1e3 * (time.perf_counter() - started),

@@ -23,8 +23,8 @@ import torch  # noqa: E402
 from specla import figures as F  # noqa: E402
 from specla import runner  # noqa: E402
 from specla.decode import DecodeSettings, ar_generate  # noqa: E402
-from specla.explorer import (CONTROL_DEFAULTS, CONTROLS, N_REPLAY, N_VIEWS, DrawPace, Explorer,  # noqa: E402
-                             build_demo, control_values)
+from specla.explorer import (CONTROL_DEFAULTS, CONTROLS, KEPT_TRACE, N_REPLAY, N_VIEWS, DrawPace,  # noqa: E402
+                             Explorer, build_demo, control_values)
 from specla.model_choice import LOADED  # noqa: E402
 from specla.trace import (MAX_TRACE_BYTES, TraceError, lattice_with_prefixes, load_trace,  # noqa: E402
                           output_tokens, validate_trace)
@@ -521,7 +521,7 @@ def test_the_kept_trace_is_a_snapshot_that_later_steps_cannot_change(rt, beam_tr
         yield runner.reveal(beam_trace, 5)
 
     outs = drain(Explorer(rt, leaky).on_run("def f(x):", *control_values(rt, drafter=runner.ORACLE)))
-    kept = [o[9] for o in outs if isinstance(o[9], dict) and "steps" in o[9]]
+    kept = [o[KEPT_TRACE] for o in outs if isinstance(o[KEPT_TRACE], dict) and "steps" in o[KEPT_TRACE]]
     assert [len(t["steps"]) for t in kept] == [3, 5, 5]
     for trace in kept:
         validate_trace(trace)
@@ -538,11 +538,11 @@ def test_a_fast_stream_draws_at_the_pace_of_drawing_and_keeps_every_trace(rt, be
             yield runner.reveal(beam_trace, k)
 
     outs = drain(Explorer(rt, burst).on_run("def f(x):", *control_values(rt, drafter=runner.ORACLE)))
-    kept = [o[9] for o in outs if isinstance(o[9], dict) and "steps" in o[9]]
+    kept = [o[KEPT_TRACE] for o in outs if isinstance(o[KEPT_TRACE], dict) and "steps" in o[KEPT_TRACE]]
     drawn = [o for o in outs if o[4] != gr.skip()]
     assert [len(t["steps"]) for t in kept] == list(range(1, n + 1)) + [n], "every partial trace is kept"
     assert len(drawn) == 2, "the first step, then the whole trace"
-    assert outs[-1][0].startswith(DONE) and len(outs[-1][9]["steps"]) == n
+    assert outs[-1][0].startswith(DONE) and len(outs[-1][KEPT_TRACE]["steps"]) == n
     assert f"after {n} steps" in Explorer(rt).on_stop(kept[-2], None)[0], "Stop draws the newest kept trace"
 
 
