@@ -17,6 +17,7 @@
 # projection-sweep (benchmarks/bench_kernels.py --only projection), gemv (--only gemv), parallel (--only parallel,pdl),
 # parallel-orders (the parallel verification's gram_first and tf32x3 forms: sweep, GPU tests, 1.3B step),
 # preload (the 1.3B step with the swapped projections' inputs preloaded or not, their GPU tests),
+# narrow-in (the embedded verification's input projection in narrow units or whole heads: GPU tests, phases, speed),
 # ops-compare (fla against the fused projections, embedded and 1.3B, with the embedded pair's speed on held-out prompts); issue #16's per-kernel profile at the 1.3B shape:
 #   LAUNCH_ARGS="--model gdn-1.3b-random --budget 8" bash benchmarks/h200.sh launch-counts,
 # speedup (run_acceptance.py --speedup on the GPU, SPEEDUP_ROWS), head (the LiLiCorr head's share of a GDN-1.3B-shape step; options in HEAD_ARGS), head-kernels (benchmarks/bench_lilicorr.py,
@@ -76,6 +77,16 @@ for stage in "$@"; do
         --model gdn-1.3b-random --budget 8 --ops fused,fused+gramfirst,fused+tf32x3 \
         --speed-prompts data/corpus/heldout_prompts.jsonl --speed-limit 4 --tokens 128 \
         2>&1 | tee "$R/log_lc_parallel.txt" ;;
+    narrow-in) # issue #15: the persistent verification's input projection in 16-column units (q and k normed in
+      # phase B) against whole heads: GPU tests, the phase split at 16 nodes, and the embedded pair on held-out prompts
+      timeout "${T_NARROW_TESTS:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_verify_step.py \
+        tests/test_chain_accept.py -k "not interpreter" > "$R/gpu_tests_narrow_in.txt" 2>&1
+      tail -3 "$R/gpu_tests_narrow_in.txt"
+      timeout "${T_NARROW_BENCH:-120}" python3 benchmarks/bench_verify_step.py --out "$R/vs_narrow" --accept --nodes 16 \
+        --variants 4/256/1,4/256/1:BN_IN=32,4/256/1:BN_IN=64 2>&1 | tail -8
+      timeout "${T_NARROW_SPEED:-220}" python3 benchmarks/launch_counts.py --out "$R/lc_narrow" --ops fused,fused+in64 \
+        --preset measured --speed-prompts data/corpus/heldout_prompts.jsonl --speed-limit 4 --tokens 128 \
+        2>&1 | tee "$R/log_lc_narrow.txt" ;;
     preload) # issue #16: the swapped projections' inputs loaded a block ahead or not (session 30's default,
       # never timed in a whole step), then the GPU tests of the projections, the L2 prefetch and per-op exactness
       timeout "${T_PRELOAD_COUNTS:-200}" python3 benchmarks/launch_counts.py --out "$R/lc_preload" \

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from kernels import l2_prefetch, pdl  # noqa: E402
 from kernels import triton_projection as projection, triton_recurrent_step as recurrent_step  # noqa: E402
-from kernels import triton_verify  # noqa: E402
+from kernels import triton_verify, triton_verify_step  # noqa: E402
 from specla.graphs import ops as graph_ops  # noqa: E402
 from specla.graphs import draft_step, whole_step  # noqa: E402
 from specla import runner  # noqa: E402
@@ -201,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
                         "in and gate/up projections of a verification too, not fla's norm + cuBLAS); "
                         "+gramfirst / +nogramfirst: the parallel verification builds (I + A)^-1 before it reads "
                         "the state or not (PARALLEL_GRAM_FIRST in kernels/triton_verify.py), +tf32x3: its products "
-                        "on tensor cores in three tf32 passes, not in fp32 FMAs (PARALLEL_DOT_PRECISION)")
+                        "on tensor cores in three tf32 passes, not in fp32 FMAs (PARALLEL_DOT_PRECISION); +inN: "
+                        "the persistent verification's input projection in units of N columns (IN_PROJ_BLOCK in "
+                        "kernels/triton_verify_step.py)")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
     p.add_argument("--speed-limit", type=int, default=8)
     p.add_argument("--tokens", type=int, default=128)
@@ -229,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     prefetch_at, prefetch_max, prefetch_max_rows = l2_prefetch.AT, l2_prefetch.MAX_BYTES, l2_prefetch.MAX_BYTES_ROWS
     prefetch_state = graph_ops.L2_PREFETCH_IN_STATE_STEPS
     gram_first, dot_precision = triton_verify.PARALLEL_GRAM_FIRST, triton_verify.PARALLEL_DOT_PRECISION
+    in_proj_block = triton_verify_step.IN_PROJ_BLOCK
     for name in args.ops.split(","):
         ops, *flags = name.split("+")
         pdl.use_pdl("nopdl" not in flags)
@@ -248,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         projection.SWAP_MAX_COLUMNS = 1 << 20 if "swapwide" in flags else swap_max_columns
         triton_verify.PARALLEL_GRAM_FIRST = ("gramfirst" in flags or gram_first) and "nogramfirst" not in flags
         triton_verify.PARALLEL_DOT_PRECISION = "tf32x3" if "tf32x3" in flags else dot_precision
+        triton_verify_step.IN_PROJ_BLOCK = next((int(f[2:]) for f in flags if f[:2] == "in" and f[2:].isdigit()),
+                                                in_proj_block)
         l2_prefetch.use_l2_prefetch("nopf" not in flags)
         graph_ops.L2_PREFETCH_IN_STATE_STEPS = ("pfrec" in flags or prefetch_state) and "pfnorec" not in flags
         l2_prefetch.AT = "start" if "pfstart" in flags else prefetch_at
@@ -277,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             l2_prefetch.AT, l2_prefetch.MAX_BYTES = prefetch_at, prefetch_max
             l2_prefetch.MAX_BYTES_ROWS = prefetch_max_rows
             triton_verify.PARALLEL_GRAM_FIRST, triton_verify.PARALLEL_DOT_PRECISION = gram_first, dot_precision
+            triton_verify_step.IN_PROJ_BLOCK = in_proj_block
         result["variants"][name] = variant
         (args.out / "launch_counts.json").write_text(json.dumps(result, indent=1))   # kept if a later set fails
     return 0

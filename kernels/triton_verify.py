@@ -545,15 +545,42 @@ def _unit_lower_inverse(A, o_n, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _gram(q, k, rows, m_n, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-          DOT_PRECISION: tl.constexpr):
-    """K K^T and Q K^T [BN, BN] of one head's nodes."""
+def _qk_block(q, k, rows, m_n, o_k, rq, rk, K: tl.constexpr, SCALED: tl.constexpr):
+    """One [BN, BK] block of the nodes' queries and keys, fp32 (SCALED: each row times its scale)."""
+    b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+    b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+    if SCALED:
+        b_q = b_q * rq[:, None]
+        b_k = b_k * rk[:, None]
+    return b_q, b_k
+
+
+@triton.jit
+def _qk_scales(q, k, rows, m_n, q_scale, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RAW_QK: tl.constexpr):
+    """Per-node row scales of q and k: with RAW_QK the rows are the conv's raw output, which
+    the l2 norm (and, for q, `q_scale`) turns into the recurrence's inputs; else ones."""
+    rq = tl.full([BN], 1.0, tl.float32)
+    rk = tl.full([BN], 1.0, tl.float32)
+    if RAW_QK:
+        ssq = tl.zeros([BN], dtype=tl.float32)
+        ssk = tl.zeros([BN], dtype=tl.float32)
+        for i_k in range(K // BK):
+            b_q, b_k = _qk_block(q, k, rows, m_n, i_k * BK + tl.arange(0, BK), rq, rk, K, False)
+            ssq += tl.sum(b_q * b_q, axis=1)
+            ssk += tl.sum(b_k * b_k, axis=1)
+        rq = (1.0 / tl.sqrt(ssq + 1e-6)) * q_scale
+        rk = 1.0 / tl.sqrt(ssk + 1e-6)
+    return rq, rk
+
+
+@triton.jit
+def _gram(q, k, rows, m_n, rq, rk, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+          DOT_PRECISION: tl.constexpr, RAW_QK: tl.constexpr):
+    """K K^T and Q K^T [BN, BN] of one head's nodes (rows scaled by rq, rk)."""
     kk = tl.zeros([BN, BN], dtype=tl.float32)
     qk = tl.zeros([BN, BN], dtype=tl.float32)
     for i_k in range(K // BK):
-        o_k = i_k * BK + tl.arange(0, BK)
-        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
-        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+        b_q, b_k = _qk_block(q, k, rows, m_n, i_k * BK + tl.arange(0, BK), rq, rk, K, RAW_QK)
         kk += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
         qk += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
     return kk, qk
@@ -567,7 +594,7 @@ def _parallel_tile(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CHAIN: tl.constexpr, HAS_PENDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    GRAM_FIRST: tl.constexpr = False, PREFETCH_STATE: tl.constexpr = False,
+    GRAM_FIRST: tl.constexpr, PREFETCH_STATE: tl.constexpr, RAW_QK: tl.constexpr, q_scale, k_out,
 ):
     """The whole parallel form of one (batch, head, V tile): `_parallel_kernel`'s program
     (i_v, i_bh), or a unit of a persistent kernel's phase.
@@ -585,6 +612,11 @@ def _parallel_tile(
     it, u and o are one product each. With PREFETCH_STATE the state tile's lines are asked of
     L2 before that, so its trip from HBM overlaps the products and the pending fold reads it
     from L2 (no registers held across them).
+
+    RAW_QK: q and k hold the conv's raw rows; a pass over them first takes each row's l2 norm
+    (`_qk_scales`), every later load scales its rows, and the V tile 0 writes the normed keys
+    (the commit's factors) to k_out. So the units that project and convolve q and k need not
+    each hold a whole head.
     """
     i_b, i_h, i_bh, o_n, m_n, rows, o_v = _node_tile(N, H, BN, BV, i_v, i_bh)
     p_S = S + i_b * stride_sb + i_h * stride_sh + o_v[None, :] * stride_sv
@@ -593,12 +625,13 @@ def _parallel_tile(
         # the first line of each of the tile's rows: all of it for BV <= 32
         l2_prefetch_lines(S + i_b * stride_sb + i_h * stride_sh + i_v * BV * stride_sv + ks_all * stride_sk)
     anc, G, decay = _tree_paths(g, parents, o_n, m_n, i_b, i_h, N, H, CHAIN)
+    rq, rk = _qk_scales(q, k, rows, m_n, q_scale, K, BN, BK, RAW_QK)
     if GRAM_FIRST:
         # beta and v loaded before the pass over the state, whose loop they would wait behind
         b_beta = tl.load(beta + rows, mask=m_n, other=0.).to(tl.float32)
         b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
         strict = anc & (o_n[:, None] != o_n[None, :])
-        kk, qk = _gram(q, k, rows, m_n, K, BN, BK, DOT_PRECISION)
+        kk, qk = _gram(q, k, rows, m_n, rq, rk, K, BN, BK, DOT_PRECISION, RAW_QK)
         A = tl.where(strict, b_beta[:, None] * decay * kk, 0.)
         T = _unit_lower_inverse(A, o_n, DOT_PRECISION)
     else:
@@ -619,8 +652,10 @@ def _parallel_tile(
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         b_S = tl.load(p_S + o_k[:, None] * stride_sk)
-        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
-        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_n[:, None], other=0.).to(tl.float32)
+        b_q, b_k = _qk_block(q, k, rows, m_n, o_k, rq, rk, K, RAW_QK)
+        if RAW_QK:
+            if i_v == 0:
+                tl.store(k_out + rows[:, None] * K + o_k[None, :], b_k, mask=m_n[:, None])
         if not GRAM_FIRST:
             kk += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
             qk += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
@@ -670,7 +705,7 @@ def _parallel_kernel(
     """The whole parallel form of one (batch, head, V tile) a program (`_parallel_tile`)."""
     _parallel_tile(q, k, v, g, beta, parents, S, o, delta, stride_sb, stride_sh, stride_sk, stride_sv,
                    kp, dp, gp, P, N, tl.program_id(0), tl.program_id(1), H, K, V, BN, BK, BV,
-                   CHAIN, HAS_PENDING, DOT_PRECISION, GRAM_FIRST, PREFETCH_STATE)
+                   CHAIN, HAS_PENDING, DOT_PRECISION, GRAM_FIRST, PREFETCH_STATE, False, 1.0, k)
 
 
 def _parallel_config(N: int, K: int, V: int, block_v: int | None = None, block_k: int | None = None,

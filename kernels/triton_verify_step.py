@@ -13,12 +13,13 @@ acceptance on the H200 against 158 for a chain of 8 (benchmarks/results/h200/ses
 
     first      the nodes' embeddings (the root read from the device)
     per layer  A   residual add + RMSNorm + input projection, N rows (tl.dot); a unit holds
-                   one head's q, k or v columns for every node, so it runs that head's conv
-                   along the chain, SiLU and l2 norm itself (the raw conv inputs go straight
-                   into the commit buffers), and the unit of a and b the gates; the feature
-                   rows of the layer before
-               B   per (head, V tile): fold the deferred commit into the state tile, store it,
-                   and the parallel form over the N nodes (outputs and the delta factors)
+                   a block of q, k or v columns for every node, so it runs their conv along
+                   the chain and SiLU itself (the raw conv inputs go straight into the commit
+                   buffers), and the unit of a and b the gates; the feature rows of the layer
+                   before
+               B   per (head, V tile): the l2 norms of the head's q and k rows, fold the
+                   deferred commit into the state tile, store it, and the parallel form over
+                   the N nodes (outputs and the delta and key factors)
                C   gated per-head norm + output projection
                D   residual add + RMSNorm + gate/up projection
                E   SwiGLU + down projection
@@ -58,6 +59,10 @@ MAX_NODES = PARALLEL_MAX_NODES      # the parallel form's [16, 16] tiles, and 16
 # SwiGLU over the columns it multiplies, so a whole K a program (1024 at the embedded down
 # projection) cost ~24 us a layer on the H200 (benchmarks/results/h200/session16/)
 SPLIT_K = 128
+# Columns a unit of the input projection takes (None: `in_proj_block`'s fewest). A unit
+# once held a whole head (its q, k and v l2 norms need it): the embedded model's phase A had
+# 25 units of 64 columns for 132 programs; the norms now wait for phase B
+IN_PROJ_BLOCK: int | None = None
 
 
 @triton.jit
@@ -119,28 +124,26 @@ def _conv_tile(conv_in, window, index, weight, bias, rows, r_mask, cols, c_mask,
 
 @triton.jit
 def _in_proj_conv_phase(src, w_in, y_in, N_IN, M, D, eps, pid, programs, sync, window, index, conv_w, conv_b,
-                        neg_A, dt_bias, q_s, k_f, v_s, g_f, beta_s, conv_in, features, feat_row, F, scale,
+                        neg_A, dt_bias, q_raw, k_raw, v_s, g_f, beta_s, conv_in, features, feat_row, F,
                         dtype: tl.constexpr, SWISH: tl.constexpr, DOT: tl.constexpr, H: tl.constexpr,
                         K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr,
                         NEG_EIGVAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         BD: tl.constexpr, BH: tl.constexpr):
     """Phase A: residual add + RMSNorm + the input projection, then each unit's share of the
-    conv and gates over the chain, so they need no phase of their own. A unit is one head's
-    q, k or v columns (the conv inputs go to `conv_in`, the factor a commit needs; conv,
-    SiLU and, for q and k, the head's l2 norm into q_s, k_f, v_s), a BN-column block of the
-    output gate (into y_in for phase C), or a and b (g and beta per node and head). The
-    unit of q's head 0 also writes x + residual and (feat_row >= 0) copies it into features."""
+    conv and gates over the chain, so they need no phase of their own. A unit is a BN-column
+    block of the conv channels (its conv inputs go to `conv_in`, the factor a commit needs;
+    conv and SiLU, per channel, into q_raw, k_raw or v_s: phase B takes q's and k's l2 norms,
+    so a unit need not hold a whole head), a BN-column block of the output gate (into y_in for
+    phase C), or a and b (g and beta per node and head). The first unit also writes
+    x + residual and (feat_row >= 0) copies it into features."""
     C: tl.constexpr = H * (2 * K + V)
+    CONV_BLOCKS: tl.constexpr = C // BN
     GATE_BLOCKS: tl.constexpr = (H * V + BN - 1) // BN
     rows = tl.arange(0, BM)
     r_mask = rows < M
-    for unit in range(pid, 3 * H + GATE_BLOCKS + 1, programs):
-        if unit < 2 * H:
-            col0, width = unit * K, K
-        elif unit < 3 * H:
-            col0, width = 2 * H * K + (unit - 2 * H) * V, V
-        elif unit < 3 * H + GATE_BLOCKS:
-            col0 = C + (unit - 3 * H) * BN
+    for unit in range(pid, CONV_BLOCKS + GATE_BLOCKS + 1, programs):
+        if unit < CONV_BLOCKS + GATE_BLOCKS:
+            col0 = unit * BN
             width = tl.minimum(BN, C + H * V - col0)
         else:
             col0, width = C + H * V, 2 * H
@@ -151,21 +154,19 @@ def _in_proj_conv_phase(src, w_in, y_in, N_IN, M, D, eps, pid, programs, sync, w
         acc = _dot_slice(src, w_in + cols[:, None] * D, c_mask, 0, D, M, D, eps, unit == 0, dtype, 0, True, SWISH,
                          1, DOT, BM, BN, BK, 2, first)
         tile = r_mask[:, None] & c_mask[None, :]
-        if unit < 3 * H:        # a head's conv inputs, then its conv over the chain
+        if unit < CONV_BLOCKS:        # conv inputs, then the conv over the chain (blocks never straddle q, k, v)
             tl.store(conv_in + rows[:, None] * C + cols[None, :], acc.to(dtype), mask=tile)
             tl.debug_barrier()
             x = _conv_tile(conv_in, window, index, conv_w, conv_b, rows, r_mask, cols, c_mask, C, dtype, W, HAS_BIAS)
-            if unit < 2 * H:
-                x = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6))[:, None]       # the l2 norm
-                if unit < H:
-                    tl.store(q_s + rows[:, None] * H * K + cols[None, :], x * scale, mask=tile)
-                else:
-                    tl.store(k_f + rows[:, None] * H * K + (cols - H * K)[None, :], x, mask=tile)
+            if col0 < H * K:
+                tl.store(q_raw + rows[:, None] * H * K + cols[None, :], x, mask=tile)
+            elif col0 < 2 * H * K:
+                tl.store(k_raw + rows[:, None] * H * K + (cols - H * K)[None, :], x, mask=tile)
             else:
                 tl.store(v_s + rows[:, None] * H * V + (cols - 2 * H * K)[None, :], x, mask=tile)
         else:
             tl.store(y_in + rows[:, None] * N_IN + cols[None, :], acc.to(dtype), mask=tile)
-            if unit == 3 * H + GATE_BLOCKS:     # a and b: the log decay and beta of every node and head
+            if unit == CONV_BLOCKS + GATE_BLOCKS:     # a and b: the log decay and beta of every node and head
                 tl.debug_barrier()
                 heads = tl.minimum(tl.arange(0, BH), H - 1)[None, :]
                 row_ptr = y_in + tl.minimum(rows, M - 1)[:, None] * N_IN + C + H * V
@@ -177,7 +178,7 @@ def _in_proj_conv_phase(src, w_in, y_in, N_IN, M, D, eps, pid, programs, sync, w
             if feat_row >= 0:   # this layer's input rows, written above by this program: a drafter's features
                 tl.debug_barrier()
                 _copy_rows(src[4], features + feat_row * D, F * D, M, 0, 1, D, BD)
-    if pid >= 3 * H + GATE_BLOCKS + 1:
+    if pid >= CONV_BLOCKS + GATE_BLOCKS + 1:
         grid_wait(sync[0], sync[1], sync[2])
 
 
@@ -194,7 +195,7 @@ def _chain_verify_kernel(
         tokens, root, embed, zeros, attn_norm, w_in, conv_w, conv_b, neg_A, dt_bias, o_norm, w_o, mlp_norm,
         w_gu, w_down, final_norm, lm_head, cache, S, pk, pd, pg, P, index, parents, feat_slot,
         logits, hidden, features, k_f, g_f, delta_f, conv_in_f,
-        x_emb, res_a, res_b, x_buf, y_in, q_s, v_s, beta_s, o_buf, gu_buf, partials, block_counters, counter, status,
+        x_emb, res_a, res_b, x_buf, y_in, q_raw, k_raw, v_s, beta_s, o_buf, gu_buf, partials, block_counters, counter, status,
         times, N, eps, scale,
         choice_s, prob_s, pos, step, out, out_len, acc, acc_len, last, result, log_tokens, log_parents,
         log_choice, log_prob, log_result, log_steps, log_nodes, cont, cont_len, div, gap,
@@ -235,21 +236,23 @@ def _chain_verify_kernel(
         feat_row = tl.load(feat_slot + l - 1) if l > 0 else -1
         _in_proj_conv_phase(src, w_in + l * N_IN * D, y_in, N_IN, N, D, eps, pid, programs,
                             (counter, phase * programs, status), cache + l * C * W, index, conv_w + l * C * W,
-                            conv_b + l * C, neg_A + l * H, dt_bias + l * H, q_s, k_f + l * N * H * K, v_s,
-                            g_f + l * N * H, beta_s, conv_in_f + l * N * C, features, feat_row, F, scale, dtype,
+                            conv_b + l * C, neg_A + l * H, dt_bias + l * H, q_raw, k_raw, v_s,
+                            g_f + l * N * H, beta_s, conv_in_f + l * N * C, features, feat_row, F, dtype,
                             SWISH, DOT, H, K, V, W, HAS_BIAS, NEG_EIGVAL, BM, BN_IN, BK_IN, BD, BH_IN)
         stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1
 
-        # B: the deferred commit and the recurrence over the chain, per (head, V tile)
+        # B: the deferred commit and the recurrence over the chain, per (head, V tile), from the
+        # raw q and k rows (normed here; V tile 0 writes the normed keys, the commit's factors)
         grid_wait(counter, phase * programs, status)
         tiles = V // PBV
         for unit in range(pid, H * tiles, programs):
-            _parallel_tile(q_s, k_f + l * N * H * K, v_s, g_f + l * N * H, beta_s, parents, S + l * H * K * V,
+            _parallel_tile(q_raw, k_raw, v_s, g_f + l * N * H, beta_s, parents, S + l * H * K * V,
                            o_buf, delta_f + l * N * H * V, H * K * V, K * V, V, 1,
                            pk + l * P * H * K, pd + l * P * H * V, pg + l * P * H, P, N,
-                           unit % tiles, unit // tiles, H, K, V, 16, PBK, PBV, CHAIN, HAS_PENDING, "ieee")
+                           unit % tiles, unit // tiles, H, K, V, 16, PBK, PBV, CHAIN, HAS_PENDING, "ieee",
+                           False, False, True, scale, k_f + l * N * H * K)
         stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1
@@ -315,9 +318,23 @@ def _chain_verify_kernel(
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
-def in_proj_block(H: int, K: int, V: int) -> int:
-    """Columns a unit of the input projection takes: a whole q, k or v head, and a and b."""
-    return triton.next_power_of_2(max(K, V, 2 * H))
+def in_proj_block(H: int, K: int, V: int) -> int | None:
+    """Columns a unit of the input projection takes: the fewest (16 at least, tl.dot's
+    smallest) that hold a and b and tile the q, k and v columns without straddling them;
+    None if no width does."""
+    bn = max(16, triton.next_power_of_2(2 * H))
+    while bn <= H * min(K, V):
+        if (H * K) % bn == 0 and (H * V) % bn == 0:
+            return bn
+        bn *= 2
+    return None
+
+
+def check_in_proj_block(bn: int | None, H: int, K: int, V: int) -> None:
+    """ValueError unless units of `bn` columns hold a and b and tile q, k and v."""
+    if bn is None or triton.next_power_of_2(bn) != bn or bn < max(16, 2 * H) or (H * K) % bn or (H * V) % bn:
+        raise ValueError(f"chain verify: BN_IN {bn}: a unit of the input projection takes a power of two from "
+                         f"{max(16, 2 * H)} (a and b) that divides the q, k and v widths {H * K} and {H * V}")
 
 
 def _dot_block_n(N: int, programs: int) -> int:
@@ -357,7 +374,8 @@ class PersistentChainVerify:
         self.zeros = torch.zeros(max(D, H * V, 2 * I), device=dev, dtype=self.dtype)
         self.x_emb, self.res_a, self.res_b, self.x = rows(D), rows(D), rows(D), rows(D)
         self.y_in, self.gate_up = rows(N_in), rows(2 * I)
-        self.q, self.v, self.beta, self.o = rows(H * K, **f32), rows(H * V, **f32), rows(H, **f32), rows(H * V, **f32)
+        self.q, self.k, self.v = rows(H * K, **f32), rows(H * K, **f32), rows(H * V, **f32)    # q, k raw
+        self.beta, self.o = rows(H, **f32), rows(H * V, **f32)
         self.index = (torch.arange(n)[:, None] + torch.arange(W)[None, :]).to(dev)    # the chain's conv windows
         self.parents = torch.arange(-1, n - 1, device=dev)
         slots = [-1] * L
@@ -373,7 +391,7 @@ class PersistentChainVerify:
         # the output and down projections are split over K in slices of SPLIT_K columns
         bk_o, bk_i = max(V, min(SPLIT_K, H * V)), min(SPLIT_K, I)
         self.blocks = dict(
-            BM=16, BN_IN=in_proj_block(H, K, V), BK_IN=min(bk(D), 128), BN_O=bn(D, triton.cdiv(H * V, bk_o)), BN_GU=bn(2 * I),
+            BM=16, BN_IN=IN_PROJ_BLOCK or in_proj_block(H, K, V), BK_IN=min(bk(D), 128), BN_O=bn(D, triton.cdiv(H * V, bk_o)), BN_GU=bn(2 * I),
             BN_DOWN=bn(D, triton.cdiv(I, bk_i)), BN_HEAD=bn(self.shape["VOCAB"]), BK_D=bk(D), BK_O=bk_o, BK_I=bk_i,
             BD=triton.next_power_of_2(D), BH_IN=triton.next_power_of_2(H), BW=triton.next_power_of_2(W),
             PBK=par["BK"], PBV=par["BV"])
@@ -381,10 +399,7 @@ class PersistentChainVerify:
         if unknown:
             raise ValueError(f"chain verify: no tiles named {sorted(unknown)}")
         self.blocks.update(blocks or {})
-        if self.blocks["BN_IN"] < in_proj_block(H, K, V) or triton.next_power_of_2(self.blocks["BN_IN"]) != \
-                self.blocks["BN_IN"]:
-            raise ValueError(f"chain verify: BN_IN {self.blocks['BN_IN']}: a unit of the input projection holds a "
-                             f"whole head (a power of two from {in_proj_block(H, K, V)})")
+        check_in_proj_block(self.blocks["BN_IN"], H, K, V)
         if self.blocks["BK_O"] % V:
             raise ValueError(f"chain verify: BK_O {self.blocks['BK_O']}: the gated norm's K slices are whole heads")
         self.blocks["SPLIT_O"] = triton.cdiv(H * V, self.blocks["BK_O"])
@@ -457,7 +472,7 @@ class PersistentChainVerify:
             wt.mlp_norm, wt.w_gate_up, wt.w_down, wt.final_norm, wt.lm_head, cache, S, pk, pd, pg,
             pk.shape[2] if pending is not None else 0, index, parents, self.feat_slot,
             logits, hidden, features if features is not None else hidden, k_f, g_f, delta_f, conv_in_f,
-            self.x_emb, self.res_a, self.res_b, self.x, self.y_in, self.q, self.v, self.beta, self.o,
+            self.x_emb, self.res_a, self.res_b, self.x, self.y_in, self.q, self.k, self.v, self.beta, self.o,
             self.gate_up, self.partials, self.block_counters, self.counter, self.status,
             self.times if self.times is not None else self.counter,
             n, self.eps, self.scale, *accept_args, **s, HAS_BIAS=wt.conv_b is not None, NEG_EIGVAL=self.neg_eigval,

@@ -87,6 +87,18 @@ def test_chain_verify_node_counts(nodes):
                                   features=(1,))
 
 
+SPLIT_HEADS = (2, 64, 2, 32, 32, 4, 64, 96)     # L, D, H, K, V, W, I, vocab: heads wider than a unit
+
+
+@needs_cuda
+@pytest.mark.parametrize("bn_in", [16, 32, 64])
+def test_chain_verify_in_proj_widths(bn_in):
+    """Units of the input projection a quarter, half and a whole head wide (the l2 norms of q
+    and k taken in phase B either way)."""
+    assert not check_chain_verify(*SHAPES["embedded"], torch.bfloat16, "cuda", nodes=9, features=(1,),
+                                  blocks={"BN_IN": bn_in})
+
+
 # a static tree of 16 nodes (two branches at the root, one deeper) and a best-first-like one
 TREES = {"static-16": [-1, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 8, 3, 1, 11, 9],
          "bushy-7": [-1, 0, 0, 0, 1, 1, 2]}
@@ -113,6 +125,8 @@ def test_chain_verify_rejects_bad_input():
         PersistentChainVerify(wt, 3, 16, 16, 1e-6, 4)
     with pytest.raises(ValueError, match="no tiles named"):
         PersistentChainVerify(wt, 2, 16, 16, 1e-6, 4, blocks={"BN_UP": 16})
+    with pytest.raises(ValueError, match="BN_IN 8"):
+        PersistentChainVerify(wt, 2, 16, 16, 1e-6, 4, blocks={"BN_IN": 8})
     with pytest.raises(ValueError, match="whole heads"):
         PersistentChainVerify(wt, 2, 16, 16, 1e-6, 4, blocks={"BK_O": 24})
     verify = PersistentChainVerify(wt, 2, 16, 16, 1e-6, 4)
@@ -131,7 +145,7 @@ def test_chain_verify_rejects_bad_input():
 def test_chain_verify_interpreter():
     """One program through Triton's CPU interpreter: every phase's arithmetic against the
     reference and the barriers' bookkeeping over two calls."""
-    assert run_interpreted(__file__).count("ok ") == 5
+    assert run_interpreted(__file__).count("ok ") == 6
 
 
 def check_packed_target(dtype, deferred: bool) -> list[str]:
@@ -165,6 +179,10 @@ if __name__ == "__main__":
     problems = check_chain_verify(*SHAPES["tiny"], torch.float32, "cpu", nodes=7, features=(1,), programs=1,
                                   parents=TREES["bushy-7"])
     print(("FAIL " if problems else "ok ") + "tree " + "; ".join(problems))
+    failed += bool(problems)
+    # heads of 32: the input projection's 16-column units each hold half a head's q, k or v
+    problems = check_chain_verify(*SPLIT_HEADS, torch.float32, "cpu", nodes=6, features=(0,), programs=1)
+    print(("FAIL " if problems else "ok ") + "split heads " + "; ".join(problems))
     failed += bool(problems)
     for deferred in (True, False):
         problems = check_packed_target(torch.float32, deferred)
