@@ -78,15 +78,16 @@ for stage in "$@"; do
         --speed-prompts data/corpus/heldout_prompts.jsonl --speed-limit 4 --tokens 128 \
         2>&1 | tee "$R/log_lc_parallel.txt" ;;
     narrow-in) # issue #15: the persistent verification's input projection in 16-column units (q and k normed in
-      # phase B) against whole heads: GPU tests, the phase split at 16 nodes, and the embedded pair on held-out prompts
-      timeout "${T_NARROW_TESTS:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_verify_step.py \
-        tests/test_chain_accept.py -k "not interpreter" > "$R/gpu_tests_narrow_in.txt" 2>&1
-      tail -3 "$R/gpu_tests_narrow_in.txt"
-      timeout "${T_NARROW_BENCH:-120}" python3 benchmarks/bench_verify_step.py --out "$R/vs_narrow" --accept --nodes 16 \
+      # phase B) against whole heads: the embedded pair on held-out prompts, the phase split at 16 nodes, GPU tests
+      timeout "${T_NARROW_SPEED:-210}" python3 benchmarks/launch_counts.py --out "$R/lc_narrow" --ops fused,fused+in64 \
+        --preset measured --speed-prompts data/corpus/heldout_prompts.jsonl --speed-limit 3 --tokens 128 \
+        2>&1 | tee "$R/log_lc_narrow.txt"
+      timeout "${T_NARROW_BENCH:-90}" python3 benchmarks/bench_verify_step.py --out "$R/vs_narrow" --accept --nodes 16 \
         --variants 4/256/1,4/256/1:BN_IN=32,4/256/1:BN_IN=64 2>&1 | tail -8
-      timeout "${T_NARROW_SPEED:-220}" python3 benchmarks/launch_counts.py --out "$R/lc_narrow" --ops fused,fused+in64 \
-        --preset measured --speed-prompts data/corpus/heldout_prompts.jsonl --speed-limit 4 --tokens 128 \
-        2>&1 | tee "$R/log_lc_narrow.txt" ;;
+      timeout "${T_NARROW_TESTS:-250}" python3 -m pytest -v -p no:cacheprovider tests/test_verify_step.py \
+        tests/test_chain_accept.py tests/test_gpu_runtime.py -k "not interpreter and not wide and (verify or accept or \
+        graphed_spec_with_fused or (graphed_spec_equals_ar_fp32 and cuda))" > "$R/gpu_tests_narrow_in.txt" 2>&1
+      tail -3 "$R/gpu_tests_narrow_in.txt" ;;
     preload) # issue #16: the swapped projections' inputs loaded a block ahead or not (session 30's default,
       # never timed in a whole step), then the GPU tests of the projections, the L2 prefetch and per-op exactness
       timeout "${T_PRELOAD_COUNTS:-200}" python3 benchmarks/launch_counts.py --out "$R/lc_preload" \
