@@ -564,7 +564,7 @@ def _qk_scales(q, k, rows, m_n, q_scale, K: tl.constexpr, BN: tl.constexpr, BK: 
     if RAW_QK:
         ssq = tl.zeros([BN], dtype=tl.float32)
         ssk = tl.zeros([BN], dtype=tl.float32)
-        for i_k in range(K // BK):
+        for i_k in tl.static_range(K // BK):     # unrolled: every block's loads in flight at once
             b_q, b_k = _qk_block(q, k, rows, m_n, i_k * BK + tl.arange(0, BK), rq, rk, K, False)
             ssq += tl.sum(b_q * b_q, axis=1)
             ssk += tl.sum(b_k * b_k, axis=1)
