@@ -109,7 +109,45 @@ def count_bodies(runtime, ops: str, args) -> tuple[dict, Engine]:
             variant["bodies"][name] = kernels_of(body, device)
             print(f"[{ops}] {name:>20}: {variant['bodies'][name]['launches']:7.1f} launches, "
                   f"{variant['bodies'][name]['kernel_us']:8.1f} us", flush=True)
+    if device.type == "cuda" and spec.use_graph and "draft" in spec.graphs:
+        variant["step_loop_us"] = step_loop(spec)
+        print(f"[{ops}] step loop, µs a step: {variant['step_loop_us']}", flush=True)
     return variant, engine
+
+
+def step_loop(spec, steps: int = 48, repeats: int = 5) -> dict:
+    """µs a step of `steps` speculative steps replayed back to back, five ways: the verify
+    graph alone, the draft graph alone, both per step (as one decode runs them), both with a
+    CUDA event after each phase (as the decoder marks them for its time split), and the
+    whole step captured as one graph. Medians of `repeats`; every run starts from the same state."""
+    from specla.graphs.spec import PHASES, enqueue_phases
+    from specla.graphs.runtime import PhaseClock
+
+    if "step" not in spec.graphs:
+        spec._capture("step")
+    ways = {"verify": lambda: spec.run("verify"), "draft": lambda: spec.run("draft"),
+            "phases": lambda: [spec.run(phase) for phase in PHASES], "step_graph": spec.step}
+    out = {}
+    with torch.no_grad():
+        for name, body in ways.items():
+            out[name] = _median_us(lambda: [body() for _ in range(steps)], spec, steps, repeats)
+        clock = PhaseClock(spec.rt.device)
+        out["phases_marked"] = _median_us(lambda: enqueue_phases(spec, steps, clock), spec, steps, repeats)
+    return out
+
+
+def _median_us(run, spec, steps: int, repeats: int) -> float:
+    times = []
+    for _ in range(repeats + 1):                 # the first run warms
+        with spec.state.preserved():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(1e3 * start.elapsed_time(end) / steps)
+    return round(sorted(times[1:])[repeats // 2], 2)
 
 
 def ar_wall_time(ar, snapshot, root: int, n: int, repeats: int = 5) -> dict:
