@@ -116,10 +116,11 @@ def count_bodies(runtime, ops: str, args) -> tuple[dict, Engine]:
 
 
 def step_loop(spec, steps: int = 48, repeats: int = 5) -> dict:
-    """µs a step of `steps` speculative steps replayed back to back, five ways: the verify
-    graph alone, the draft graph alone, both per step (as one decode runs them), both with a
-    CUDA event after each phase (as the decoder marks them for its time split), and the
-    whole step captured as one graph. Medians of `repeats`; every run starts from the same state."""
+    """µs a step of `steps` speculative steps replayed back to back: the verify graph alone,
+    the draft graph alone, both per step (as one decode runs them), both with a CUDA event
+    after each phase (as the decoder marks them for its time split), the whole step captured
+    as one graph, and the verify graph followed by a read of 0, 4 or 16 MB elsewhere. Medians
+    of `repeats`; every run starts from the same state."""
     from specla.graphs.spec import PHASES, enqueue_phases
     from specla.graphs.runtime import PhaseClock
 
@@ -127,6 +128,12 @@ def step_loop(spec, steps: int = 48, repeats: int = 5) -> dict:
         spec._capture("step")
     ways = {"verify": lambda: spec.run("verify"), "draft": lambda: spec.run("draft"),
             "phases": lambda: [spec.run(phase) for phase in PHASES], "step_graph": spec.step}
+    # the verify graph, then a kernel that reads MB megabytes elsewhere (0: one element): how
+    # much of a verification's slowdown beside the draft is lines it lost from L2
+    sink = torch.zeros(1, device=spec.rt.device)
+    for mb in (0, 4, 16):
+        other = torch.ones(max(1, mb << 19), device=spec.rt.device, dtype=torch.bfloat16)
+        ways[f"verify+read{mb}MB"] = (lambda other=other: (spec.run("verify"), torch.sum(other, out=sink)))
     out = {}
     with torch.no_grad():
         for name, body in ways.items():
