@@ -51,9 +51,6 @@ PROLOGUES = {"norm": 0, "gated_norm": 1, "swiglu": 2}
 MAX_ROWS = 64              # [BM, BK] input blocks live in registers
 MAX_GEMV_ROWS = 2          # the GEMV form: one [BN, BK] accumulator a row
 MAX_SPLIT = 16
-# L2 eviction priority of a persistent kernel's weight loads ("evict_last" keeps them over
-# lines loaded normally, "" is the default policy); SPECLA_RESIDENT_EVICTION sets it per process
-RESIDENT_EVICTION = tl.constexpr(os.environ.get("SPECLA_RESIDENT_EVICTION", ""))
 # Below this many weight bytes a projection is latency-bound at batch 1 (the embedded
 # model's are 0.3-1.5 MB): the time goes to dependent round trips, not bytes in flight, so
 # its default tiling trades grid size for fewer of them (`_latency_bound_tiling`).
@@ -220,17 +217,6 @@ def _packed_products(w_tile, h, BN: tl.constexpr, BK: tl.constexpr, VEC: tl.cons
 
 
 @triton.jit
-def _weight_tile(w_rows, ks, c_mask, k_hi, RESIDENT: tl.constexpr):
-    """The weight tile w_rows[:, ks] (columns from k_hi masked). RESIDENT (a persistent
-    kernel's, whose weights fit in L2 and are read again every step): loaded with the L2
-    eviction priority RESIDENT_EVICTION."""
-    mask = c_mask[:, None] & (ks < k_hi)[None, :]
-    if RESIDENT:
-        return tl.load(w_rows + ks[None, :], mask=mask, other=0.0, eviction_policy=RESIDENT_EVICTION)
-    return tl.load(w_rows + ks[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
 def _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl.constexpr,
                 PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr, HEAD: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WAIT: tl.constexpr, VEC: tl.constexpr,
@@ -244,7 +230,7 @@ def _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl
     previous kernel (programmatic dependent launch), WAIT 2 for a grid barrier of a
     persistent kernel, `sync` = (counter, arrivals, status) as `grid_wait` takes them."""
     offs = tl.arange(0, BK)
-    wb = _weight_tile(w_rows, k_lo + offs, c_mask, k_hi, WAIT == 2)
+    wb = tl.load(w_rows + k_lo + offs[None, :], mask=c_mask[:, None] & (k_lo + offs < k_hi)[None, :], other=0.0)
     if WAIT == 1:
         gdc_wait()
     if WAIT == 2:
@@ -262,7 +248,7 @@ def _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl
     for k0 in range(k_lo, k_hi, BK):
         ks = k0 + offs
         nks = ks + BK
-        w_next = _weight_tile(w_rows, nks, c_mask, k_hi, WAIT == 2)
+        w_next = tl.load(w_rows + nks[None, :], mask=c_mask[:, None] & (nks < k_hi)[None, :], other=0.0)
         h0 = _input_block(src, rstd0, eps, row0, row0 < M, ks, ks < k_hi, K, write_res, dtype,
                           PROLOGUE, HAS_RES, SWISH, HEAD, 1, BK)
         acc0 += _packed_products(wb, h0, BN, BK, VEC)
@@ -295,7 +281,7 @@ def _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl.
     r_mask = rows < M
     offs = tl.arange(0, BK)
     if WAIT == 2:
-        wb = _weight_tile(w_rows, k_lo + offs, c_mask, k_hi, True)
+        wb = tl.load(w_rows + k_lo + offs[None, :], mask=c_mask[:, None] & (k_lo + offs < k_hi)[None, :], other=0.0)
         grid_wait(sync[0], sync[1], sync[2])
     rstd = tl.zeros([BM], dtype=tl.float32)
     if PROLOGUE == 0:
@@ -323,7 +309,7 @@ def _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl.
                              PROLOGUE, HAS_RES, SWISH, HEAD, BM, BK)
         if WAIT == 2:
             nks = ks + BK
-            w_next = _weight_tile(w_rows, nks, c_mask, k_hi, True)
+            w_next = tl.load(w_rows + nks[None, :], mask=c_mask[:, None] & (nks < k_hi)[None, :], other=0.0)
         else:
             wb = tl.load(w_rows + ks[None, :], mask=c_mask[:, None] & k_mask[None, :], other=0.0)
         if SWAP:

@@ -133,3 +133,67 @@ def test_prefetching_kernels_give_the_bits_of_plain_ones(at, monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_resident_prefetch_needs_16_byte_slices(monkeypatch):
+    """The persistent kernels prefetch their weights only where the bulk prefetch applies and
+    every slice they ask for (a stack's layer, a matrix) starts and ends on 16 bytes."""
+    from kernels import l2_prefetch
+    cpu, bf = torch.device("cpu"), torch.bfloat16
+    stack = torch.zeros(2, 8, 8, dtype=bf)                                 # 128-byte layers
+    assert not l2_prefetch.resident_prefetch_applies(cpu, stack)          # no bulk prefetch here
+    monkeypatch.setattr(l2_prefetch, "l2_prefetch_applies", lambda device: True)
+    assert l2_prefetch.resident_prefetch_applies(cpu, stack, torch.zeros(4, 8, dtype=bf))
+    assert not l2_prefetch.resident_prefetch_applies(cpu, stack, torch.zeros(2, 3, 1, dtype=bf))  # 6-byte layers
+    assert not l2_prefetch.resident_prefetch_applies(cpu, torch.zeros(129, dtype=bf)[1:].view(2, 64))  # 2 bytes off
+
+
+def persistent_launches() -> dict:
+    """The recorded launches of the persistent AR step, chain verification and block draft at
+    small shapes (CPU tensors: recorded, never run)."""
+    from benchmarks import ptxas_check
+    from kernels import triton_decode_step as ds, triton_draft_step as dr, triton_verify_step as vs
+    from specla.graphs.draft_step import draft_weights
+    from tests.test_decode_step import SHAPES, random_weights
+    from tests.test_draft_step import BLOCK, VOCAB, drafter_pair
+    z, bf = torch.zeros, torch.bfloat16
+    L, D, H, K, V, W, I, vocab = SHAPES["tiny"]
+    wt = random_weights(L, D, H, K, V, W, I, vocab, bf, "cpu", False, 0)
+    C, n = H * (2 * K + V), 4
+    step = ds.PersistentDecodeStep(wt, H, K, V, 1e-6, programs=132)
+    verify = vs.PersistentChainVerify(wt, H, K, V, 1e-6, n, (), programs=132)
+    factors = (z(L, 1, n, H, K), z(L, 1, n, H), z(L, 1, n, H, V), z(L, 1, n, C, dtype=bf))
+    pending = (z(L, 1, n, H, K), z(L, 1, n, H, V), z(L, 1, n, H))
+    dev = drafter_pair(bf, "cpu")
+    c, parts = dev.net.config, dev.parts
+    draft = dr.PersistentBlockDraft(draft_weights(dev.net, parts), c.heads, c.window, c.block_size, dev.slots,
+                                    dev.top_k, dev.net.norm.eps, parts.norm_eps, programs=132)
+    S, k = dev.slots, dev.top_k
+    ds_args = (torch.ones(1, dtype=torch.long), torch.tensor([-1, 0, 0] + list(range(BLOCK))), None, dev.ctx,
+               dev.valid, dev.kv_stack, z(BLOCK - 1, c.width, dtype=bf), z(BLOCK - 1, VOCAB),
+               z(S, k, dtype=torch.long), z(S, k))
+    calls = {
+        "_decode_step_kernel": (lambda: step(torch.ones(1, dtype=torch.long), z(L, 1, C, W, dtype=bf),
+                                             z(L, 1, H, K, V), z(vocab)), ds),
+        "_chain_verify_kernel": (lambda: verify(torch.ones(1, n, dtype=torch.long), torch.ones(1, dtype=torch.long),
+                                                z(L, 1, C, W, dtype=bf), z(L, 1, H, K, V), pending, z(n, vocab),
+                                                z(n, D, dtype=bf), None, factors), vs),
+        "_block_draft_kernel": (lambda: draft(*ds_args), dr)}
+    return {name: ptxas_check.recorded_launches(call, [name], module)[0] for name, (call, module) in calls.items()}
+
+
+@compiles
+def test_persistent_kernels_prefetch_their_weights_where_it_applies(monkeypatch):
+    """On a CPU the persistent kernels are launched without the prefetch; where it applies
+    they are launched with it, and compiled for sm_90 they issue the bulk prefetch, with no
+    spills."""
+    pytest.importorskip("triton")
+    from benchmarks import ptxas_check
+    from kernels import l2_prefetch
+    assert not any(kw["PREFETCH"] for _, _, kw in persistent_launches().values())
+    monkeypatch.setattr(l2_prefetch, "l2_prefetch_applies", lambda device: True)
+    for name, (kernel, args, kwargs) in persistent_launches().items():
+        assert kwargs["PREFETCH"], name
+        ptx = ptxas_check.compile_sm90(kernel, args, kwargs).asm["ptx"]
+        assert ptx.count("cp.async.bulk.prefetch.L2.global") >= 1, name
+        assert ptxas_check.ptxas_usage(ptx)["spill_stores"] == 0, name
