@@ -115,9 +115,20 @@ def test_readback_returns_the_rows_queued_and_no_later_write(device):
     rb.enqueue(2, 3)
     buf.add_(100)
     assert rb.take() == {"x": [list(range(8, 12)), list(range(12, 16)), list(range(16, 20))]}
+    # the decoder's order: take a batch, queue the next, then read the taken batch's rows
     rb.enqueue(0, 1)
+    buf.add_(100)
+    first = rb.take()
+    rb.enqueue(0, 2)                  # into the other mirrors: the first batch's are untouched
+    assert first["x"] == [[100, 101, 102, 103]]
+    rb.enqueue(1, 1)                  # two copies in flight
     with pytest.raises(RuntimeError, match="not taken"):
         rb.enqueue(1, 1)
+    second = rb.take()
+    rb.enqueue(5, 1)                  # reuses the second batch's mirrors before its rows were read
+    with pytest.raises(RuntimeError, match="reused"):
+        second["x"]
+    assert rb.take()["x"] == [[204, 205, 206, 207]] and rb.take()["x"] == [[220, 221, 222, 223]]
     rb.discard()
     with pytest.raises(RuntimeError, match="no rows"):
         rb.take()

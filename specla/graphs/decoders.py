@@ -163,8 +163,9 @@ class GraphedDecoder:
             yield from self._host_steps(prompt, n)
 
     def _device_steps(self, n: int) -> Iterator[GraphedStep]:
-        """Device-drafted steps in batches, each queued before the one before it is read, so
-        the device runs a batch while the host turns the last one into records. A batch is
+        """Device-drafted steps in batches, each queued once the one before it has been copied
+        back and its accepted counts read, so the device runs a batch while the host turns the
+        last one into records. A batch is
         sized to finish the decode at the tokens per step seen so far (before any is read, at
         the most a step can make, so the first batch never runs past n); the steps a batch
         runs past n are not yielded. The first step of a batch carries the time the device
@@ -194,14 +195,16 @@ class GraphedDecoder:
         marks = launch()
         while marks is not None:
             rows = self.readback.take()
+            made += sum(r[0] + 1 for r in rows["result"])
+            read += len(rows["result"])
+            # the next batch is queued before this one's rows become records, so the device
+            # waits for the host only while this batch's results are read
+            batch_marks, marks = marks, launch()
             if draft_ms is None:
                 draft_ms = clock.gaps(first_draft)[0]
-            gaps = clock.gaps([last_mark] + marks)        # the device's wait, then each phase
-            last_mark = marks[-1]
+            gaps = clock.gaps([last_mark] + batch_marks)  # the device's wait, then each phase
+            last_mark = batch_marks[-1]
             logged = LoggedSteps(**{f: rows[f] for f in LOG_FIELDS})
-            made += sum(r[0] + 1 for r in logged.result)
-            read += len(logged.result)
-            marks = launch()                              # runs while this batch is yielded
             times = step_times(gaps[1:])
             details = self.drafter.details(rows, len(times))
             for step in logged_steps(logged, times, draft_ms, details, spec.mode, idle_ms=gaps[0]):
