@@ -87,30 +87,3 @@ def l2_prefetch_share(base, nbytes, part, parts):
     addr = base.to(tl.int64)
     for off in range(lo, hi, CHUNK_BYTES):
         _bulk_prefetch(addr + off, tl.minimum(hi - off, CHUNK_BYTES).to(tl.int32))
-
-
-def resident_prefetch_applies(device: torch.device, *matrices: torch.Tensor) -> bool:
-    """Whether a persistent kernel may bulk-prefetch these weights (whole, or [L, ...] stacks
-    layer by layer): the bulk prefetch applies here and every slice starts and ends on 16 bytes."""
-    return l2_prefetch_applies(device) and all(
-        m.data_ptr() % 16 == 0 and (m[0].numel() * m.element_size()) % 16 == 0 for m in matrices)
-
-
-@triton.jit
-def l2_prefetch_tensor(w, elems, part, parts, PREFETCH: tl.constexpr):
-    """(PREFETCH) Program `part` of `parts` asks L2 for its share of w's `elems` elements."""
-    if PREFETCH:
-        l2_prefetch_share(w, elems * (w.dtype.element_ty.primitive_bitwidth // 8), part, parts)
-
-
-@triton.jit
-def l2_prefetch_layer(w_in, w_o, w_gu, w_down, l, IN_ELEMS, O_ELEMS, GU_ELEMS, DOWN_ELEMS, part, parts,
-                      PREFETCH: tl.constexpr):
-    """(PREFETCH) Program `part` of `parts` asks L2 for its share of layer l's four weight
-    matrices (slices of [L, ...] stacks of IN_ELEMS, O_ELEMS, GU_ELEMS, DOWN_ELEMS elements a
-    layer): a persistent kernel issues it a layer ahead, so lines another kernel evicted
-    since the last step are back before the layer's phases load them."""
-    l2_prefetch_tensor(w_in + l * IN_ELEMS, IN_ELEMS, part, parts, PREFETCH)
-    l2_prefetch_tensor(w_o + l * O_ELEMS, O_ELEMS, part, parts, PREFETCH)
-    l2_prefetch_tensor(w_gu + l * GU_ELEMS, GU_ELEMS, part, parts, PREFETCH)
-    l2_prefetch_tensor(w_down + l * DOWN_ELEMS, DOWN_ELEMS, part, parts, PREFETCH)

@@ -38,7 +38,6 @@ import triton.language as tl
 
 from kernels.reference import DecodeWeights
 from kernels.triton_conv_gates import (_head_queries_and_gates, _shift_window, _state_tile_step)
-from kernels.l2_prefetch import l2_prefetch_layer, l2_prefetch_tensor, resident_prefetch_applies
 from kernels.pdl import grid_arrive, grid_wait, phase_us, stamp
 from kernels.triton_projection import DEFAULT_SMS, _gemv_slice
 
@@ -95,26 +94,19 @@ def _decode_step_kernel(
         BN_IN: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr,
         BN_HEAD: tl.constexpr, BK_D: tl.constexpr, BK_O: tl.constexpr, BK_I: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr, VEC: tl.constexpr,
-        TIMED: tl.constexpr, PREFETCH: tl.constexpr):
+        TIMED: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     dtype = w_in.dtype.element_ty
     C = H * (2 * K + V)
     N_IN = C + H * V + 2 * H
     x_embed = embed + tl.load(token) * D
-    l2_prefetch_layer(w_in, w_o, w_gu, w_down, 0, N_IN * D, D * H * V, 2 * I * D, D * I, pid, programs, PREFETCH)
     # each phase's program arrives when its stores are done and waits, at its first load of
     # something another program wrote, for all arrivals of the phases before (`phase` of them
     # each). Every program waits in every phase, so the count says that every program has
     # finished the phase before, not only that enough arrivals were made.
     phase = 0
     for l in range(L):
-        # the next layer's weights (the LM head's after the last) into L2 while this one runs
-        if l + 1 < L:
-            l2_prefetch_layer(w_in, w_o, w_gu, w_down, l + 1, N_IN * D, D * H * V, 2 * I * D, D * I, pid, programs,
-                              PREFETCH)
-        else:
-            l2_prefetch_tensor(lm_head, VOCAB * D, pid, programs, PREFETCH)
         # A: the block input (the embedding, or the last MLP's output plus the residual)
         if l == 0:
             src = (x_embed, 0, zeros, 0, res_a, zeros, 0, attn_norm)
@@ -250,7 +242,6 @@ class PersistentDecodeStep:
         # (benchmarks) when each program ends each phase: 5 a layer, the head, the greedy pick
         self.times = torch.zeros(5 * L + 2, self.programs, device=dev, dtype=torch.int64) if timed else None
         self.phases = 5 * L + 1
-        self.prefetch = resident_prefetch_applies(dev, wt.w_in, wt.w_o, wt.w_gate_up, wt.w_down, wt.lm_head)
         P, elem = self.programs, wt.w_in.element_size()
         bk = lambda k, head=1: max(head, 16, min(triton.next_power_of_2(k), 1024 // elem))  # noqa: E731
         bn = lambda n, k: _block_n(n, P, k, elem)  # noqa: E731
@@ -281,7 +272,7 @@ class PersistentDecodeStep:
             self.gate_up, self.counter, self.status, self.times if self.times is not None else self.counter,
             self.eps, self.scale, **s, TIMED=self.times is not None,
             HAS_BIAS=wt.conv_b is not None, NEG_EIGVAL=self.neg_eigval, SWISH=self.swish,
-            GREEDY=greedy is not None, PREFETCH=self.prefetch, **self.blocks, num_warps=4)
+            GREEDY=greedy is not None, **self.blocks, num_warps=4)
         self.phases = 5 * s["L"] + (2 if greedy is not None else 1)
 
     def phase_us(self) -> list[float]:

@@ -41,7 +41,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.l2_prefetch import l2_prefetch_tensor, resident_prefetch_applies
 from kernels.pdl import grid_arrive, grid_wait
 from kernels.triton_decode_step import resident_programs
 from kernels.triton_lilicorr import _slot_topk
@@ -389,20 +388,11 @@ def _block_draft_kernel(
         LD: tl.constexpr, MH: tl.constexpr, W: tl.constexpr, B: tl.constexpr, TOPK: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr,
         BH: tl.constexpr, BN_HEAD: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, CHAIN: tl.constexpr,
-        BK_TOP: tl.constexpr, BNODES: tl.constexpr, PREFETCH: tl.constexpr):
+        BK_TOP: tl.constexpr, BNODES: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     dtype = fc.dtype.element_ty
     MLP_UNITS: tl.constexpr = MH // BH
-    # every weight into L2 now: the verification between two drafts evicts some of them
-    l2_prefetch_tensor(fc, WD * FD, pid, programs, PREFETCH)
-    l2_prefetch_tensor(in_proj, WD * D, pid, programs, PREFETCH)
-    l2_prefetch_tensor(w_qkv, LD * 3 * WD * WD, pid, programs, PREFETCH)
-    l2_prefetch_tensor(w_o, LD * WD * WD, pid, programs, PREFETCH)
-    l2_prefetch_tensor(w_gate_up, LD * 2 * MH * WD, pid, programs, PREFETCH)
-    l2_prefetch_tensor(w_down, LD * WD * MH, pid, programs, PREFETCH)
-    l2_prefetch_tensor(out_proj, D * WD, pid, programs, PREFETCH)
-    l2_prefetch_tensor(lm_head, VOCAB * D, pid, programs, PREFETCH)
 
     # 0: fc over the accepted path's features; the block input. Reads only the last launch's.
     for unit in range(pid, 2 * (WD // BN), programs):
@@ -592,8 +582,6 @@ class PersistentBlockDraft:
         self.part_d = torch.zeros(MH // self.blocks["BH"], BM, WD, **f32)
         self.dot = _dot_mode(self.dtype)
         self.num_warps = num_warps
-        self.prefetch = resident_prefetch_applies(dev, wt.fc, wt.in_proj, wt.w_qkv, wt.w_o, wt.w_gate_up, wt.w_down,
-                                                  wt.out_proj, wt.lm_head)
 
     def __call__(self, root: torch.Tensor, result: torch.Tensor, features: torch.Tensor | None, ctx: torch.Tensor,
                  valid: torch.Tensor, kv: torch.Tensor, h: torch.Tensor, logits: torch.Tensor, cand: torch.Tensor,
@@ -636,8 +624,7 @@ class PersistentBlockDraft:
             B=w["B"], TOPK=k, BM=MAX_ROWS, BN=b["BN"], BK=b["BK"], BD=triton.next_power_of_2(w["D"]),
             BW=max(16, triton.next_power_of_2(w["W"])), BH=b["BH"], BN_HEAD=b["BN_HEAD"],
             BV=triton.next_power_of_2(self.vocab), DOT=self.dot, CHAIN=chain is not None,
-            BK_TOP=triton.next_power_of_2(k), BNODES=triton.next_power_of_2(chain_args[-2]), PREFETCH=self.prefetch,
-            num_warps=self.num_warps)
+            BK_TOP=triton.next_power_of_2(k), BNODES=triton.next_power_of_2(chain_args[-2]), num_warps=self.num_warps)
 
     def _chain_args(self, chain: ChainOut | None, cand: torch.Tensor) -> tuple:
         """The kernel's chain arguments (placeholders without a chain), checked."""

@@ -45,7 +45,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.l2_prefetch import l2_prefetch_layer, l2_prefetch_tensor, resident_prefetch_applies
 from kernels.pdl import grid_arrive, grid_wait, phase_us, stamp
 from kernels.reference import DecodeWeights
 from kernels.triton_chain_accept import ChainAccept, _accept_phase, _node_stats, accept_tiles
@@ -208,14 +207,13 @@ def _chain_verify_kernel(
         BK_IN: tl.constexpr, BH_IN: tl.constexpr, BW: tl.constexpr, PBK: tl.constexpr, PBV: tl.constexpr,
         SPLIT_O: tl.constexpr, SPLIT_DOWN: tl.constexpr, TIMED: tl.constexpr, ACCEPT: tl.constexpr,
         ORACLE: tl.constexpr, BVOC: tl.constexpr, BNODES: tl.constexpr, BP: tl.constexpr, BC: tl.constexpr,
-        BHK: tl.constexpr, BHV: tl.constexpr, BH: tl.constexpr, CHAIN: tl.constexpr, PREFETCH: tl.constexpr):
+        BHK: tl.constexpr, BHV: tl.constexpr, BH: tl.constexpr, CHAIN: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     dtype = w_in.dtype.element_ty
     C = H * (2 * K + V)
     N_IN = C + H * V + 2 * H
     sums = (partials, block_counters)
-    l2_prefetch_layer(w_in, w_o, w_gu, w_down, 0, N_IN * D, D * H * V, 2 * I * D, D * I, pid, programs, PREFETCH)
     # the embeddings: row 0 is the root the last step (or the prefill) left on the device
     o_d = tl.arange(0, BD)
     for r in range(pid, N, programs):
@@ -229,12 +227,6 @@ def _chain_verify_kernel(
     # arrivals so far (`phase` of them each), as in the persistent AR step
     phase = 1
     for l in range(L):
-        # the next layer's weights (the LM head's after the last) into L2 while this one runs
-        if l + 1 < L:
-            l2_prefetch_layer(w_in, w_o, w_gu, w_down, l + 1, N_IN * D, D * H * V, 2 * I * D, D * I, pid, programs,
-                              PREFETCH)
-        else:
-            l2_prefetch_tensor(lm_head, VOCAB * D, pid, programs, PREFETCH)
         # A: the block input (the embeddings, or the last MLP's output plus the residual), the input
         # projection, and the conv + gates of every node; the residual rows are layer l-1's output
         if l == 0:
@@ -419,7 +411,6 @@ class PersistentChainVerify:
         self.launch = dict(num_warps=num_warps, num_stages=num_stages)
         self.times = torch.zeros(5 * L + 4, self.programs, device=dev, dtype=torch.int64) if timed else None
         self.phases = 5 * L + 2             # the last call's (two more with acceptance)
-        self.prefetch = resident_prefetch_applies(dev, wt.w_in, wt.w_o, wt.w_gate_up, wt.w_down, wt.lm_head)
 
     def __call__(self, tokens: torch.Tensor, root: torch.Tensor, cache: torch.Tensor, S: torch.Tensor,
                  pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, logits: torch.Tensor,
@@ -487,8 +478,7 @@ class PersistentChainVerify:
             n, self.eps, self.scale, *accept_args, **s, HAS_BIAS=wt.conv_b is not None, NEG_EIGVAL=self.neg_eigval,
             SWISH=self.swish, HAS_PENDING=pending is not None, DOT=self.dot, **self.blocks,
             TIMED=self.times is not None, ACCEPT=accept is not None,
-            ORACLE=accept is not None and accept.oracle is not None, **tiles, CHAIN=tree is None,
-            PREFETCH=self.prefetch, **self.launch)
+            ORACLE=accept is not None and accept.oracle is not None, **tiles, CHAIN=tree is None, **self.launch)
 
     def phase_us(self) -> list[float]:
         """(timed) Each phase's µs in the last call (`kernels.pdl.phase_us`)."""
