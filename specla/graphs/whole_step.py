@@ -25,6 +25,8 @@ WHOLE_STEP_PROGRAMS: int | None = None
 WHOLE_VERIFY = True
 # ...and accept greedy chains in that launch too (kernels/triton_chain_accept.py).
 FUSED_ACCEPT = True
+# Set aside L2 for the weights the persistent kernels keep with evict_last (l2_set_aside.py).
+L2_SET_ASIDE = True
 
 
 def whole_step_applies(config: GDNConfig, device: torch.device, ops_name: str) -> str | None:
@@ -71,7 +73,17 @@ def whole_step_for(packed):
         problem = f"{type(err).__name__}: {err}"
     if problem:
         return None, f"whole-step kernel unusable: {problem}"
-    return step, f"the AR token as one persistent launch ({step.programs} programs)"
+    return step, f"the AR token as one persistent launch ({step.programs} programs){_keep_in_l2(packed)}"
+
+
+def _keep_in_l2(packed) -> str:
+    """Set aside L2 for the target's weights (or give it back, with L2_SET_ASIDE off); the
+    note's tail says how much."""
+    from specla.graphs.l2_set_aside import set_aside
+
+    wanted = sum(p.numel() * p.element_size() for p in packed.target.parameters()) if L2_SET_ASIDE else 0
+    got = set_aside(packed.device, wanted)
+    return f", {got / 2**20:.1f} MB of L2 set aside for its weights" if got else ""
 
 
 @torch.no_grad()
