@@ -37,6 +37,7 @@ from kernels import triton_projection as projection, triton_recurrent_step as re
 from kernels import triton_verify, triton_verify_step  # noqa: E402
 from specla.graphs import ops as graph_ops  # noqa: E402
 from specla.graphs import draft_step, whole_step  # noqa: E402
+from specla.graphs.l2_set_aside import set_aside  # noqa: E402
 from specla import runner  # noqa: E402
 from specla.acceptance import read_prompts  # noqa: E402
 from specla.bench.measure import decode_bytes  # noqa: E402
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                         "the state or not (PARALLEL_GRAM_FIRST in kernels/triton_verify.py), +tf32x3: its products "
                         "on tensor cores in three tf32 passes, not in fp32 FMAs (PARALLEL_DOT_PRECISION); +inN: "
                         "the persistent verification's input projection in units of N columns (IN_PROJ_BLOCK in "
-                        "kernels/triton_verify_step.py); +noaside: no L2 set aside for the persistent kernels' "
+                        "kernels/triton_verify_step.py); +aside: L2 set aside for the persistent kernels' "
                         "weights (specla/graphs/l2_set_aside.py)")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
     p.add_argument("--speed-limit", type=int, default=8)
@@ -292,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         whole_step.WHOLE_VERIFY = "noverify" not in flags
         draft_step.PERSISTENT_DRAFT = "nodraft" not in flags
         whole_step.FUSED_ACCEPT = "noaccept" not in flags
-        whole_step.L2_SET_ASIDE = "noaside" not in flags
+        whole_step.L2_SET_ASIDE = "aside" in flags
         projection.SWAP_MIN_BYTES = None if "noswap" in flags else swap_min_bytes
         projection.SWAP_PRELOAD = ("preload" in flags or swap_preload) and "nopreload" not in flags
         projection.SWAP_MAX_COLUMNS = 1 << 20 if "swapwide" in flags else swap_max_columns
@@ -322,7 +323,9 @@ def main(argv: list[str] | None = None) -> int:
             graph_ops.RECURRENT_STEP_KERNEL, recurrent_step.PDL_MODE = recurrent_kernel, recurrent_pdl
             whole_step.WHOLE_STEP_MAX_HIDDEN, whole_step.WHOLE_STEP_PROGRAMS = whole_max_hidden, None
             whole_step.WHOLE_VERIFY = draft_step.PERSISTENT_DRAFT = whole_step.FUSED_ACCEPT = True
-            whole_step.L2_SET_ASIDE = True
+            if whole_step.L2_SET_ASIDE:              # the device's: give it back for the next op set
+                set_aside(runtime.device, 0)
+            whole_step.L2_SET_ASIDE = False
             projection.SWAP_MIN_BYTES, projection.FEW_BLOCKS_TILING = swap_min_bytes, few_blocks
             projection.SWAP_PRELOAD, projection.SWAP_MAX_COLUMNS = swap_preload, swap_max_columns
             l2_prefetch.use_l2_prefetch(True)

@@ -5,7 +5,8 @@ The persistent kernels load their weight tiles with the `evict_last` priority
 (`kernels/triton_projection._weight_tile`). That priority keeps lines only inside the part of
 L2 a process sets aside for persisting accesses (`cudaLimitPersistingL2CacheSize`), which is
 0 unless asked for; torch has no call for it, so the CUDA runtime that torch loaded is called
-through ctypes. The set-aside is the device's, for the whole process.
+through ctypes. The set-aside is the device's, for the whole process; the engine asks for one
+(the target's weights' bytes) when `specla.graphs.whole_step.L2_SET_ASIDE` is on.
 """
 from __future__ import annotations
 

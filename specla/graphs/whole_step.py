@@ -26,7 +26,8 @@ WHOLE_VERIFY = True
 # ...and accept greedy chains in that launch too (kernels/triton_chain_accept.py).
 FUSED_ACCEPT = True
 # Set aside L2 for the weights the persistent kernels keep with evict_last (l2_set_aside.py).
-L2_SET_ASIDE = True
+# Off: it changes the whole device's L2 and has not been timed on a GPU yet (launch_counts +aside).
+L2_SET_ASIDE = False
 
 
 def whole_step_applies(config: GDNConfig, device: torch.device, ops_name: str) -> str | None:
@@ -77,12 +78,12 @@ def whole_step_for(packed):
 
 
 def _keep_in_l2(packed) -> str:
-    """Set aside L2 for the target's weights (or give it back, with L2_SET_ASIDE off); the
-    note's tail says how much."""
+    """(L2_SET_ASIDE) Set aside L2 for the target's weights; the note's tail says how much."""
+    if not L2_SET_ASIDE:
+        return ""
     from specla.graphs.l2_set_aside import set_aside
 
-    wanted = sum(p.numel() * p.element_size() for p in packed.target.parameters()) if L2_SET_ASIDE else 0
-    got = set_aside(packed.device, wanted)
+    got = set_aside(packed.device, sum(p.numel() * p.element_size() for p in packed.target.parameters()))
     return f", {got / 2**20:.1f} MB of L2 set aside for its weights" if got else ""
 
 
