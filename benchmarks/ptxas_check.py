@@ -34,7 +34,7 @@ from benchmarks.bench_lilicorr import SHAPES, SLOTS  # noqa: E402
 from specla.drafters.lilicorr import HeadConfig, LiLiCorrHead  # noqa: E402
 
 POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
-                 torch.int32: "*i32", torch.uint8: "*u8", torch.bool: "*i1"}
+                 torch.int32: "*i32"}
 NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 PTXAS, CUOBJDUMP = NVIDIA_BIN / "ptxas", NVIDIA_BIN / "cuobjdump"
 

@@ -220,8 +220,8 @@ def _packed_products(w_tile, h, BN: tl.constexpr, BK: tl.constexpr, VEC: tl.cons
 def _weight_tile(w_rows, ks, c_mask, k_hi, RESIDENT: tl.constexpr):
     """The weight tile w_rows[:, ks] (columns from k_hi masked). RESIDENT (a persistent
     kernel's, whose weights fit in L2 and are read again every step): with the evict_last
-    priority, which keeps the lines in the L2 set-aside (`specla/graphs/l2_set_aside.py`)
-    where the process made one, and is the default priority where it did not."""
+    priority, meant to keep the lines in an L2 set-aside for persisting accesses
+    (`specla/graphs/l2_set_aside.py`); without one it times as the default priority."""
     mask = c_mask[:, None] & (ks < k_hi)[None, :]
     if RESIDENT:
         return tl.load(w_rows + ks[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
