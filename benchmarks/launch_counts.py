@@ -32,12 +32,11 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kernels import l2_prefetch, pdl  # noqa: E402
+from kernels import carveout, l2_prefetch, pdl  # noqa: E402
 from kernels import triton_projection as projection, triton_recurrent_step as recurrent_step  # noqa: E402
 from kernels import triton_verify, triton_verify_step  # noqa: E402
 from specla.graphs import ops as graph_ops  # noqa: E402
 from specla.graphs import draft_step, whole_step  # noqa: E402
-from specla.graphs.l2_set_aside import set_aside  # noqa: E402
 from specla import runner  # noqa: E402
 from specla.acceptance import read_prompts  # noqa: E402
 from specla.bench.measure import decode_bytes  # noqa: E402
@@ -249,8 +248,9 @@ def main(argv: list[str] | None = None) -> int:
                         "the state or not (PARALLEL_GRAM_FIRST in kernels/triton_verify.py), +tf32x3: its products "
                         "on tensor cores in three tf32 passes, not in fp32 FMAs (PARALLEL_DOT_PRECISION); +inN: "
                         "the persistent verification's input projection in units of N columns (IN_PROJ_BLOCK in "
-                        "kernels/triton_verify_step.py); +aside: L2 set aside for the persistent kernels' "
-                        "weights (specla/graphs/l2_set_aside.py)")
+                        "kernels/triton_verify_step.py); +carveN: the persistent kernels prefer N%% of the "
+                        "unified L1 / shared memory as shared memory, +carvedef: the driver's choice again "
+                        "(kernels/carveout.py; a kernel keeps its split until another op set sets it)")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
     p.add_argument("--speed-limit", type=int, default=8)
     p.add_argument("--tokens", type=int, default=128)
@@ -293,7 +293,6 @@ def main(argv: list[str] | None = None) -> int:
         whole_step.WHOLE_VERIFY = "noverify" not in flags
         draft_step.PERSISTENT_DRAFT = "nodraft" not in flags
         whole_step.FUSED_ACCEPT = "noaccept" not in flags
-        whole_step.L2_SET_ASIDE = "aside" in flags
         projection.SWAP_MIN_BYTES = None if "noswap" in flags else swap_min_bytes
         projection.SWAP_PRELOAD = ("preload" in flags or swap_preload) and "nopreload" not in flags
         projection.SWAP_MAX_COLUMNS = 1 << 20 if "swapwide" in flags else swap_max_columns
@@ -302,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         triton_verify_step.IN_PROJ_BLOCK = next((int(f[2:]) for f in flags if f[:2] == "in" and f[2:].isdigit()),
                                                 in_proj_block)
         l2_prefetch.use_l2_prefetch("nopf" not in flags)
+        carveout.PREFERRED = next((-1 if f == "carvedef" else int(f[5:]) for f in flags
+                                   if f == "carvedef" or (f[:5] == "carve" and f[5:].isdigit())), None)
         graph_ops.L2_PREFETCH_IN_STATE_STEPS = ("pfrec" in flags or prefetch_state) and "pfnorec" not in flags
         l2_prefetch.AT = "start" if "pfstart" in flags else prefetch_at
         l2_prefetch.MAX_BYTES = next((int(f[5:]) << 20 for f in flags if f.startswith("pfcap")), prefetch_max)
@@ -312,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             variant, engine = count_bodies(runtime, ops, args)
             variant["pdl"] = pdl.pdl_applies(runtime.device)
+            variant["persistent_kernels"] = {name: dict(seen) for name, seen in carveout.SEEN.items()}
             if args.speed_prompts:
                 variant["speed"] = speed_row(runtime, engine, texts, args)
                 print(f"[{name}] AR {variant['speed']['ar_ms_per_token']['median']:.4f} ms/token, "
@@ -323,12 +325,10 @@ def main(argv: list[str] | None = None) -> int:
             graph_ops.RECURRENT_STEP_KERNEL, recurrent_step.PDL_MODE = recurrent_kernel, recurrent_pdl
             whole_step.WHOLE_STEP_MAX_HIDDEN, whole_step.WHOLE_STEP_PROGRAMS = whole_max_hidden, None
             whole_step.WHOLE_VERIFY = draft_step.PERSISTENT_DRAFT = whole_step.FUSED_ACCEPT = True
-            if whole_step.L2_SET_ASIDE:              # the device's: give it back for the next op set
-                set_aside(runtime.device, 0)
-            whole_step.L2_SET_ASIDE = False
             projection.SWAP_MIN_BYTES, projection.FEW_BLOCKS_TILING = swap_min_bytes, few_blocks
             projection.SWAP_PRELOAD, projection.SWAP_MAX_COLUMNS = swap_preload, swap_max_columns
             l2_prefetch.use_l2_prefetch(True)
+            carveout.PREFERRED = None
             graph_ops.L2_PREFETCH_IN_STATE_STEPS = prefetch_state
             l2_prefetch.AT, l2_prefetch.MAX_BYTES = prefetch_at, prefetch_max
             l2_prefetch.MAX_BYTES_ROWS = prefetch_max_rows

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import carveout
 from kernels.pdl import grid_arrive, grid_wait
 from kernels.triton_decode_step import resident_programs
 from kernels.triton_lilicorr import _slot_topk
@@ -613,7 +614,7 @@ class PersistentBlockDraft:
             raise ValueError(f"block draft: features must be contiguous [nodes, {w['F']}, {w['D']}]")
         chain_args = self._chain_args(chain, cand)
         wt, b = self.weights, self.blocks
-        _block_draft_kernel[(self.programs,)](
+        compiled = _block_draft_kernel[(self.programs,)](
             root, result, P, features, wt.fc, wt.ctx_norm, wt.in_proj, wt.mask_emb, wt.attn_norm, wt.w_qkv,
             wt.qk_norm, wt.w_o, wt.mlp_norm, wt.w_gate_up, wt.w_down, wt.norm, wt.out_proj, wt.embed,
             wt.final_norm, wt.lm_head, self.rope_cos, self.rope_sin, ctx, valid.view(torch.uint8), kv,
@@ -625,6 +626,7 @@ class PersistentBlockDraft:
             BW=max(16, triton.next_power_of_2(w["W"])), BH=b["BH"], BN_HEAD=b["BN_HEAD"],
             BV=triton.next_power_of_2(self.vocab), DOT=self.dot, CHAIN=chain is not None,
             BK_TOP=triton.next_power_of_2(k), BNODES=triton.next_power_of_2(chain_args[-2]), num_warps=self.num_warps)
+        carveout.prefer(compiled)
 
     def _chain_args(self, chain: ChainOut | None, cand: torch.Tensor) -> tuple:
         """The kernel's chain arguments (placeholders without a chain), checked."""

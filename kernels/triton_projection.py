@@ -217,18 +217,6 @@ def _packed_products(w_tile, h, BN: tl.constexpr, BK: tl.constexpr, VEC: tl.cons
 
 
 @triton.jit
-def _weight_tile(w_rows, ks, c_mask, k_hi, RESIDENT: tl.constexpr):
-    """The weight tile w_rows[:, ks] (columns from k_hi masked). RESIDENT (a persistent
-    kernel's, whose weights fit in L2 and are read again every step): with the evict_last
-    priority, meant to keep the lines in an L2 set-aside for persisting accesses
-    (`specla/graphs/l2_set_aside.py`); without one it times as the default priority."""
-    mask = c_mask[:, None] & (ks < k_hi)[None, :]
-    if RESIDENT:
-        return tl.load(w_rows + ks[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
-    return tl.load(w_rows + ks[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
 def _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl.constexpr,
                 PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr, HEAD: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WAIT: tl.constexpr, VEC: tl.constexpr,
@@ -242,7 +230,7 @@ def _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl
     previous kernel (programmatic dependent launch), WAIT 2 for a grid barrier of a
     persistent kernel, `sync` = (counter, arrivals, status) as `grid_wait` takes them."""
     offs = tl.arange(0, BK)
-    wb = _weight_tile(w_rows, k_lo + offs, c_mask, k_hi, WAIT == 2)
+    wb = tl.load(w_rows + k_lo + offs[None, :], mask=c_mask[:, None] & (k_lo + offs < k_hi)[None, :], other=0.0)
     if WAIT == 1:
         gdc_wait()
     if WAIT == 2:
@@ -260,7 +248,7 @@ def _gemv_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl
     for k0 in range(k_lo, k_hi, BK):
         ks = k0 + offs
         nks = ks + BK
-        w_next = _weight_tile(w_rows, nks, c_mask, k_hi, WAIT == 2)
+        w_next = tl.load(w_rows + nks[None, :], mask=c_mask[:, None] & (nks < k_hi)[None, :], other=0.0)
         h0 = _input_block(src, rstd0, eps, row0, row0 < M, ks, ks < k_hi, K, write_res, dtype,
                           PROLOGUE, HAS_RES, SWISH, HEAD, 1, BK)
         acc0 += _packed_products(wb, h0, BN, BK, VEC)
@@ -293,7 +281,7 @@ def _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl.
     r_mask = rows < M
     offs = tl.arange(0, BK)
     if WAIT == 2:
-        wb = _weight_tile(w_rows, k_lo + offs, c_mask, k_hi, True)
+        wb = tl.load(w_rows + k_lo + offs[None, :], mask=c_mask[:, None] & (k_lo + offs < k_hi)[None, :], other=0.0)
         grid_wait(sync[0], sync[1], sync[2])
     rstd = tl.zeros([BM], dtype=tl.float32)
     if PROLOGUE == 0:
@@ -321,7 +309,7 @@ def _dot_slice(src, w_rows, c_mask, k_lo, k_hi, M, K, eps, write_res, dtype: tl.
                              PROLOGUE, HAS_RES, SWISH, HEAD, BM, BK)
         if WAIT == 2:
             nks = ks + BK
-            w_next = _weight_tile(w_rows, nks, c_mask, k_hi, True)
+            w_next = tl.load(w_rows + nks[None, :], mask=c_mask[:, None] & (nks < k_hi)[None, :], other=0.0)
         else:
             wb = tl.load(w_rows + ks[None, :], mask=c_mask[:, None] & k_mask[None, :], other=0.0)
         if SWAP:

@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import carveout
 from kernels.pdl import grid_arrive, grid_wait, phase_us, stamp
 from kernels.reference import DecodeWeights
 from kernels.triton_chain_accept import ChainAccept, _accept_phase, _node_stats, accept_tiles
@@ -466,7 +467,7 @@ class PersistentChainVerify:
         accept_args = accept.args() if accept is not None else ChainAccept.unused(self.counter)
         self.phases = 5 * L + 2 + (2 if accept is not None else 0)
         wt = self.weights
-        _chain_verify_kernel[(self.programs,)](
+        compiled = _chain_verify_kernel[(self.programs,)](
             tokens, root, wt.embed, self.zeros, wt.attn_norm, wt.w_in, wt.conv_w,
             wt.conv_b if wt.conv_b is not None else wt.conv_w, wt.neg_A, wt.dt_bias, wt.o_norm, wt.w_o,
             wt.mlp_norm, wt.w_gate_up, wt.w_down, wt.final_norm, wt.lm_head, cache, S, pk, pd, pg,
@@ -479,6 +480,7 @@ class PersistentChainVerify:
             SWISH=self.swish, HAS_PENDING=pending is not None, DOT=self.dot, **self.blocks,
             TIMED=self.times is not None, ACCEPT=accept is not None,
             ORACLE=accept is not None and accept.oracle is not None, **tiles, CHAIN=tree is None, **self.launch)
+        carveout.prefer(compiled)
 
     def phase_us(self) -> list[float]:
         """(timed) Each phase's µs in the last call (`kernels.pdl.phase_us`)."""

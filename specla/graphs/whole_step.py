@@ -25,9 +25,6 @@ WHOLE_STEP_PROGRAMS: int | None = None
 WHOLE_VERIFY = True
 # ...and accept greedy chains in that launch too (kernels/triton_chain_accept.py).
 FUSED_ACCEPT = True
-# Set aside L2 for the weights the persistent kernels keep with evict_last (l2_set_aside.py).
-# Off: it changes the whole device's L2 and has not been timed on a GPU yet (launch_counts +aside).
-L2_SET_ASIDE = False
 
 
 def whole_step_applies(config: GDNConfig, device: torch.device, ops_name: str) -> str | None:
@@ -74,17 +71,7 @@ def whole_step_for(packed):
         problem = f"{type(err).__name__}: {err}"
     if problem:
         return None, f"whole-step kernel unusable: {problem}"
-    return step, f"the AR token as one persistent launch ({step.programs} programs){_keep_in_l2(packed)}"
-
-
-def _keep_in_l2(packed) -> str:
-    """(L2_SET_ASIDE) Set aside L2 for the target's weights; the note's tail says how much."""
-    if not L2_SET_ASIDE:
-        return ""
-    from specla.graphs.l2_set_aside import set_aside
-
-    got = set_aside(packed.device, sum(p.numel() * p.element_size() for p in packed.target.parameters()))
-    return f", {got / 2**20:.1f} MB of L2 set aside for its weights" if got else ""
+    return step, f"the AR token as one persistent launch ({step.programs} programs)"
 
 
 @torch.no_grad()
