@@ -18,7 +18,7 @@
 # parallel-orders (the parallel verification's gram_first and tf32x3 forms: sweep, GPU tests, 1.3B step),
 # preload (the 1.3B step with the swapped projections' inputs preloaded or not, their GPU tests),
 # narrow-in (the embedded verification's input projection in narrow units or whole heads: GPU tests, phases, speed),
-# carveout (the embedded pair with one L1 / shared split for the persistent kernels or the driver's: speed, GPU tests),
+# fold-carve (the embedded pair with the verification's fold in phase A or B, one L1 / shared split or the driver's: speed, GPU tests),
 # ops-compare (fla against the fused projections, embedded and 1.3B, with the embedded pair's speed on held-out prompts); issue #16's per-kernel profile at the 1.3B shape:
 #   LAUNCH_ARGS="--model gdn-1.3b-random --budget 8" bash benchmarks/h200.sh launch-counts,
 # speedup (run_acceptance.py --speedup on the GPU, SPEEDUP_ROWS), head (the LiLiCorr head's share of a GDN-1.3B-shape step; options in HEAD_ARGS), head-kernels (benchmarks/bench_lilicorr.py,
@@ -89,15 +89,16 @@ for stage in "$@"; do
         tests/test_chain_accept.py tests/test_gpu_runtime.py -k "not interpreter and not wide and (verify or accept or \
         graphed_spec_with_fused or (graphed_spec_equals_ar_fp32 and cuda))" > "$R/gpu_tests_narrow_in.txt" 2>&1
       tail -3 "$R/gpu_tests_narrow_in.txt" ;;
-    carveout) # issue #15: the persistent kernels with one preferred L1 / shared split or the driver's own
-      # (kernels/carveout.py), A B A B: the step loop and the embedded pair's speed on held-out prompts; GPU tests
-      timeout "${T_CARVE_COUNTS:-420}" python3 benchmarks/launch_counts.py --out "$R/lc_carve" \
-        --ops "${CARVE_OPS:-fused,fused+carve100,fused+carvedef,fused+carve100}" \
+    fold-carve) # issue #15: the verification's deferred commit folded in phase B or by phase A's idle programs
+      # (FOLD_IN_A), and the persistent kernels with one preferred L1 / shared split or the driver's own
+      # (kernels/carveout.py): the step loop and the embedded pair's speed on held-out prompts; GPU tests
+      timeout "${T_CARVE_COUNTS:-380}" python3 benchmarks/launch_counts.py --out "$R/lc_carve" \
+        --ops "${CARVE_OPS:-fused+foldb,fused,fused+carve100,fused+carvedef}" \
         --preset measured --speed-prompts data/corpus/heldout_prompts.jsonl --speed-limit 3 --tokens 128 \
         2>&1 | tee "$R/log_lc_carve.txt"
-      timeout "${T_CARVE_TESTS:-200}" python3 -m pytest -v -p no:cacheprovider tests/test_carveout.py \
-        tests/test_backends.py tests/test_draft_step.py tests/test_verify_step.py -k "not interpreter and not wide \
-        and (carveout or split or readback or matches_reference or torch_path)" > "$R/gpu_tests_carve.txt" 2>&1
+      timeout "${T_CARVE_TESTS:-170}" python3 -m pytest -v -p no:cacheprovider tests/test_carveout.py \
+        tests/test_verify_step.py tests/test_gpu_runtime.py -k "not interpreter and not wide and (split or \
+        matches_reference or (graphed_spec_equals_ar_fp32 and cuda))" > "$R/gpu_tests_carve.txt" 2>&1
       tail -3 "$R/gpu_tests_carve.txt" ;;
     preload) # issue #16: the swapped projections' inputs loaded a block ahead or not (session 30's default,
       # never timed in a whole step), then the GPU tests of the projections, the L2 prefetch and per-op exactness

@@ -17,9 +17,10 @@ acceptance on the H200 against 158 for a chain of 8 (benchmarks/results/h200/ses
                    the chain and SiLU itself (the raw conv inputs go straight into the commit
                    buffers), and the unit of a and b the gates; the feature rows of the layer
                    before
-               B   per (head, V tile): the l2 norms of the head's q and k rows, fold the
-                   deferred commit into the state tile, store it, and the parallel form over
-                   the N nodes (outputs and the delta and key factors)
+                   (FOLD_IN_A) the programs with no unit fold the deferred commit into the
+                   layer's state, one (head, V tile) a unit
+               B   per (head, V tile): the l2 norms of the head's q and k rows, and the
+                   parallel form over the N nodes (outputs and the delta and key factors)
                C   gated per-head norm + output projection
                D   residual add + RMSNorm + gate/up projection
                E   SwiGLU + down projection
@@ -53,7 +54,7 @@ from kernels.triton_conv_gates import _log_decay_and_beta
 from kernels.triton_decode_step import check_decode_weights, resident_programs
 from kernels.triton_projection import (_dot_mode, _dot_slice, _input_block, _row_rstd, _split_reduce,
                                        _summed_input)
-from kernels.triton_verify import PARALLEL_MAX_NODES, _parallel_config, _parallel_tile
+from kernels.triton_verify import PARALLEL_MAX_NODES, _fold_pending, _parallel_config, _parallel_tile
 
 MAX_NODES = PARALLEL_MAX_NODES      # the parallel form's [16, 16] tiles, and 16-row projections
 # K slice of the output and down projections: every program recomputes the gated norm or the
@@ -64,6 +65,10 @@ SPLIT_K = 128
 # once held a whole head (its q, k and v l2 norms need it): the embedded model's phase A had
 # 25 units of 64 columns for 132 programs; the norms now wait for phase B
 IN_PROJ_BLOCK: int | None = None
+# The deferred commit folded by the programs phase A leaves idle (97 units for 132 programs at
+# the embedded shape), not at the head of the recurrence's units in phase B, whose every
+# layer waited on the fold's loads and store before its own
+FOLD_IN_A = True
 
 
 @triton.jit
@@ -179,8 +184,23 @@ def _in_proj_conv_phase(src, w_in, y_in, N_IN, M, D, eps, pid, programs, sync, w
             if feat_row >= 0:   # this layer's input rows, written above by this program: a drafter's features
                 tl.debug_barrier()
                 _copy_rows(src[4], features + feat_row * D, F * D, M, 0, 1, D, BD)
-    if pid >= CONV_BLOCKS + GATE_BLOCKS + 1:
-        grid_wait(sync[0], sync[1], sync[2])
+
+
+@triton.jit
+def _fold_phase(S, pk, pd, pg, P, pid, programs, units, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                BV: tl.constexpr):
+    """The deferred commit folded into one layer's state [H, K, V], one (head, BV columns)
+    tile a unit, by the programs past phase A's `units` (which have none there). The state and
+    the pending factors were written before this launch, so a fold waits at no barrier, and
+    the recurrence after it reads a folded state."""
+    tiles: tl.constexpr = V // BV
+    ks = tl.arange(0, K)
+    for unit in range(pid, units + H * tiles, programs):
+        if unit >= units:
+            i_h = (unit - units) // tiles
+            o_v = ((unit - units) % tiles) * BV + tl.arange(0, BV)
+            p_S = S + i_h * K * V + ks[:, None] * V + o_v[None, :]
+            tl.store(p_S, _fold_pending(tl.load(p_S), pk, pd, pg, 0, i_h, P, ks, o_v, H, K, V))
 
 
 @triton.jit
@@ -208,12 +228,13 @@ def _chain_verify_kernel(
         BK_IN: tl.constexpr, BH_IN: tl.constexpr, BW: tl.constexpr, PBK: tl.constexpr, PBV: tl.constexpr,
         SPLIT_O: tl.constexpr, SPLIT_DOWN: tl.constexpr, TIMED: tl.constexpr, ACCEPT: tl.constexpr,
         ORACLE: tl.constexpr, BVOC: tl.constexpr, BNODES: tl.constexpr, BP: tl.constexpr, BC: tl.constexpr,
-        BHK: tl.constexpr, BHV: tl.constexpr, BH: tl.constexpr, CHAIN: tl.constexpr):
+        BHK: tl.constexpr, BHV: tl.constexpr, BH: tl.constexpr, CHAIN: tl.constexpr, FOLD_IN_A: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     dtype = w_in.dtype.element_ty
     C = H * (2 * K + V)
     N_IN = C + H * V + 2 * H
+    A_UNITS = C // BN_IN + (H * V + BN_IN - 1) // BN_IN + 1     # phase A's: conv blocks, gate blocks, a and b
     sums = (partials, block_counters)
     # the embeddings: row 0 is the root the last step (or the prefill) left on the device
     o_d = tl.arange(0, BD)
@@ -240,6 +261,11 @@ def _chain_verify_kernel(
                             conv_b + l * C, neg_A + l * H, dt_bias + l * H, q_raw, k_raw, v_s,
                             g_f + l * N * H, beta_s, conv_in_f + l * N * C, features, feat_row, F, dtype,
                             SWISH, DOT, H, K, V, W, HAS_BIAS, NEG_EIGVAL, BM, BN_IN, BK_IN, BD, BH_IN)
+        if HAS_PENDING and FOLD_IN_A:
+            _fold_phase(S + l * H * K * V, pk + l * P * H * K, pd + l * P * H * V, pg + l * P * H, P, pid,
+                        programs, A_UNITS, H, K, V, PBV)
+        if pid >= A_UNITS:
+            grid_wait(counter, phase * programs, status)
         stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1
@@ -252,7 +278,8 @@ def _chain_verify_kernel(
             _parallel_tile(q_raw, k_raw, v_s, g_f + l * N * H, beta_s, parents, S + l * H * K * V,
                            o_buf, delta_f + l * N * H * V, H * K * V, K * V, V, 1,
                            pk + l * P * H * K, pd + l * P * H * V, pg + l * P * H, P, N,
-                           unit % tiles, unit // tiles, H, K, V, 16, PBK, PBV, CHAIN, HAS_PENDING, "ieee",
+                           unit % tiles, unit // tiles, H, K, V, 16, PBK, PBV, CHAIN, HAS_PENDING and not FOLD_IN_A,
+                           "ieee",
                            False, False, True, scale, k_f + l * N * H * K)
         stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
@@ -477,7 +504,7 @@ class PersistentChainVerify:
             self.gate_up, self.partials, self.block_counters, self.counter, self.status,
             self.times if self.times is not None else self.counter,
             n, self.eps, self.scale, *accept_args, **s, HAS_BIAS=wt.conv_b is not None, NEG_EIGVAL=self.neg_eigval,
-            SWISH=self.swish, HAS_PENDING=pending is not None, DOT=self.dot, **self.blocks,
+            SWISH=self.swish, HAS_PENDING=pending is not None, FOLD_IN_A=FOLD_IN_A, DOT=self.dot, **self.blocks,
             TIMED=self.times is not None, ACCEPT=accept is not None,
             ORACLE=accept is not None and accept.oracle is not None, **tiles, CHAIN=tree is None, **self.launch)
         carveout.prefer(compiled)
