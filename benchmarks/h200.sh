@@ -93,7 +93,7 @@ for stage in "$@"; do
       # (FOLD_IN_A), and the persistent kernels with one preferred L1 / shared split or the driver's own
       # (kernels/carveout.py): the step loop and the embedded pair's speed on held-out prompts; GPU tests
       timeout "${T_CARVE_COUNTS:-380}" python3 benchmarks/launch_counts.py --out "$R/lc_carve" \
-        --ops "${CARVE_OPS:-fused+foldb,fused,fused+carve100,fused+carvedef}" \
+        --ops "${CARVE_OPS:-fused+foldb,fused+folda,fused+folda+carve100,fused+folda+carvedef}" \
         --preset measured --speed-prompts data/corpus/heldout_prompts.jsonl --speed-limit 3 --tokens 128 \
         2>&1 | tee "$R/log_lc_carve.txt"
       timeout "${T_CARVE_TESTS:-170}" python3 -m pytest -v -p no:cacheprovider tests/test_carveout.py \

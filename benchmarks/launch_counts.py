@@ -248,8 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                         "the state or not (PARALLEL_GRAM_FIRST in kernels/triton_verify.py), +tf32x3: its products "
                         "on tensor cores in three tf32 passes, not in fp32 FMAs (PARALLEL_DOT_PRECISION); +inN: "
                         "the persistent verification's input projection in units of N columns (IN_PROJ_BLOCK in "
-                        "kernels/triton_verify_step.py), +foldb: it folds the deferred commit in phase B's units, not by "
-                        "phase A's idle programs (FOLD_IN_A); +carveN: the persistent kernels prefer N%% of the "
+                        "kernels/triton_verify_step.py), +folda / +foldb: it folds the deferred commit by phase A's idle "
+                        "programs or in phase B's units (FOLD_IN_A); +carveN: the persistent kernels prefer N%% of the "
                         "unified L1 / shared memory as shared memory, +carvedef: the driver's choice again "
                         "(kernels/carveout.py; a kernel keeps its split until another op set sets it)")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         triton_verify.PARALLEL_DOT_PRECISION = "tf32x3" if "tf32x3" in flags else dot_precision
         triton_verify_step.IN_PROJ_BLOCK = next((int(f[2:]) for f in flags if f[:2] == "in" and f[2:].isdigit()),
                                                 in_proj_block)
-        triton_verify_step.FOLD_IN_A = fold_in_a and "foldb" not in flags
+        triton_verify_step.FOLD_IN_A = ("folda" in flags or fold_in_a) and "foldb" not in flags
         l2_prefetch.use_l2_prefetch("nopf" not in flags)
         carveout.PREFERRED = next((-1 if f == "carvedef" else int(f[5:]) for f in flags
                                    if f == "carvedef" or (f[:5] == "carve" and f[5:].isdigit())), None)

@@ -67,8 +67,9 @@ SPLIT_K = 128
 IN_PROJ_BLOCK: int | None = None
 # The deferred commit folded by the programs phase A leaves idle (97 units for 132 programs at
 # the embedded shape), not at the head of the recurrence's units in phase B, whose every
-# layer waited on the fold's loads and store before its own
-FOLD_IN_A = True
+# layer waits on the fold's loads and store before its own. Off until it has been timed and
+# run against the reference on a GPU (`launch_counts +folda`, `h200.sh fold-carve`)
+FOLD_IN_A = False
 
 
 @triton.jit

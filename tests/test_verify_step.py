@@ -142,10 +142,23 @@ def test_chain_verify_rejects_bad_input():
                tree=(torch.tensor([-1, 0, 0]), torch.zeros(4, 4, dtype=torch.long)))
 
 
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("programs", [None, 7])
+def test_chain_verify_fold_in_a_matches_reference(dtype, programs, monkeypatch):
+    """The deferred commit folded by phase A's idle programs (FOLD_IN_A); with 7 programs
+    every program has phase A units and folds after them."""
+    from kernels import triton_verify_step
+    monkeypatch.setattr(triton_verify_step, "FOLD_IN_A", True)
+    L = SHAPES["embedded"][0]
+    assert not check_chain_verify(*SHAPES["embedded"], dtype, "cuda", nodes=8, features=(0, L - 1),
+                                  programs=programs)
+
+
 def test_chain_verify_interpreter():
     """One program through Triton's CPU interpreter: every phase's arithmetic against the
     reference and the barriers' bookkeeping over two calls."""
-    assert run_interpreted(__file__).count("ok ") == 6
+    assert run_interpreted(__file__).count("ok ") == 7
 
 
 def check_packed_target(dtype, deferred: bool) -> list[str]:
@@ -183,6 +196,12 @@ if __name__ == "__main__":
     # heads of 32: the input projection's 16-column units each hold half a head's q, k or v
     problems = check_chain_verify(*SPLIT_HEADS, torch.float32, "cpu", nodes=6, features=(0,), programs=1)
     print(("FAIL " if problems else "ok ") + "split heads " + "; ".join(problems))
+    failed += bool(problems)
+    from kernels import triton_verify_step
+    triton_verify_step.FOLD_IN_A = True
+    problems = check_chain_verify(*SHAPES["tiny"], torch.float32, "cpu", nodes=5, features=(0,), programs=1)
+    triton_verify_step.FOLD_IN_A = False
+    print(("FAIL " if problems else "ok ") + "fold in phase A " + "; ".join(problems))
     failed += bool(problems)
     for deferred in (True, False):
         problems = check_packed_target(torch.float32, deferred)
