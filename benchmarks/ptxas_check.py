@@ -1,11 +1,13 @@
 """Instructions, registers and spills of the fused LiLiCorr head's launches for an H100 /
 H200 (sm_90), on a machine without a GPU:
 
-    python benchmarks/ptxas_check.py [--top-k 4 8] [--shape embedded gdn-1.3b] [--kernels head verify]
+    python benchmarks/ptxas_check.py [--top-k 4 8] [--shape embedded gdn-1.3b] [--kernels head verify persistent]
 
 Each launch of `FusedLiLiCorrHead.draft` is recorded instead of run and compiled by Triton
 for sm_90 (`--kernels verify`: the verification's state kernels instead, the parallel form
-and the persistent verify step). The ptxas that ships with Triton assembles its PTX and
+and the persistent verify step; `--kernels persistent`: the embedded pair's three persistent
+kernels, with the shared memory each program asks for, which sets the L1 / shared split the
+driver gives each). The ptxas that ships with Triton assembles its PTX and
 reports the registers a thread uses and the bytes it spills; Triton's cuobjdump lists the machine code. The head
 program's H200 times have tracked these counts (benchmarks/results/h200/README.md, sessions
 5 and 6), so a change can be checked here before it costs device time.
@@ -34,7 +36,7 @@ from benchmarks.bench_lilicorr import SHAPES, SLOTS  # noqa: E402
 from specla.drafters.lilicorr import HeadConfig, LiLiCorrHead  # noqa: E402
 
 POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
-                 torch.int32: "*i32"}
+                 torch.int32: "*i32", torch.uint8: "*u8"}
 NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 PTXAS, CUOBJDUMP = NVIDIA_BIN / "ptxas", NVIDIA_BIN / "cuobjdump"
 
@@ -169,12 +171,47 @@ def verify_launches(pending: int = 8) -> list[tuple[str, tuple]]:
     return out
 
 
+def persistent_launches() -> list[tuple[str, tuple]]:
+    """(case, launch) for the three persistent kernels of the embedded pair's speculative step
+    in bf16, as a GPU runs them: the AR step, the 16-node verification with acceptance (random
+    weights of the embedded shape) and the block drafter's draft (assets/, on the CPU)."""
+    from kernels import triton_decode_step, triton_draft_step
+    from specla import runner
+    from specla.drafters.base import DraftSettings
+    from specla.graphs.draft_step import check_block_draft, draft_weights
+    from specla.graphs.drafters import DeviceBlockDrafter
+    from tests.test_decode_step import SHAPES as STEP_SHAPES, random_weights
+
+    L, D, H, K, V, W, I, vocab = STEP_SHAPES["embedded"]
+    wt = random_weights(L, D, H, K, V, W, I, vocab, torch.bfloat16, "cpu", False, 0)
+    step = triton_decode_step.PersistentDecodeStep(wt, H, K, V, 1e-6, programs=132)
+    token, z = torch.tensor([[3]]), torch.zeros
+    args = (token, z(L, 1, H * (2 * K + V), W, dtype=torch.bfloat16), z(L, 1, H, K, V), z(vocab))
+    greedy = (token, z(8, dtype=torch.long), z(1, dtype=torch.long))
+    out = [("embedded AR step", recorded_launches(lambda: step(*args, greedy=greedy), ["_decode_step_kernel"],
+                                                  triton_decode_step)[0])]
+    out += [(case, launch) for case, launch in verify_launches() if case.startswith("embedded")]
+    drafter = runner.load_runtime(device="cpu", dtype="bf16").drafters.get("block")
+    if drafter is not None:
+        c = drafter.net.config
+        dev = DeviceBlockDrafter(drafter, DraftSettings(tree="chain", block_size=c.block_size, top_k=4,
+                                                        budget=c.block_size - 1), persistent=False)
+        kernel = triton_draft_step.PersistentBlockDraft(draft_weights(dev.net, dev.parts), c.heads, c.window,
+                                                        c.block_size, dev.slots, dev.top_k, dev.net.norm.eps,
+                                                        dev.parts.norm_eps, programs=132)
+        out.append(("block draft (assets/)", recorded_launches(lambda: check_block_draft(dev, kernel),
+                                                               ["_block_draft_kernel"], triton_draft_step)[0]))
+    return out
+
+
 def launch_report(launch: tuple) -> dict:
-    """One recorded launch -> its name, sm_90 instructions, registers and spill bytes."""
+    """One recorded launch -> its name, sm_90 instructions, registers, spill bytes, shared
+    memory bytes a program and warps."""
     kernel, call_args, kwargs = launch
     compiled = compile_sm90(kernel, call_args, kwargs)
     return {"launch": kernel.__name__, "instructions": sass_instructions(compiled.asm["cubin"]),
-            **ptxas_usage(compiled.asm["ptx"])}
+            **ptxas_usage(compiled.asm["ptx"]), "shared_bytes": compiled.metadata.shared,
+            "warps": compiled.metadata.num_warps}
 
 
 def main(argv=None) -> int:
@@ -182,7 +219,7 @@ def main(argv=None) -> int:
     parser.add_argument("--top-k", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--shape", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--num-warps", type=int, default=8)
-    parser.add_argument("--kernels", nargs="+", default=["head"], choices=["head", "verify"])
+    parser.add_argument("--kernels", nargs="+", default=["head"], choices=["head", "verify", "persistent"])
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: this compiles the kernels")
@@ -193,6 +230,14 @@ def main(argv=None) -> int:
             r = launch_report(launch)
             print(f"| {r['launch']} | {case} | {r['instructions']} | {r['registers']} | {r['spill_stores']} | "
                   f"{r['spill_loads']} |", flush=True)
+    if "persistent" in args.kernels:
+        print("| launch | case | shared bytes | warps | registers | instructions | spill stores (bytes) | "
+              "spill loads (bytes) |")
+        print("|---|---|---|---|---|---|---|---|")
+        for case, launch in persistent_launches():
+            r = launch_report(launch)
+            print(f"| {r['launch']} | {case} | {r['shared_bytes']} | {r['warps']} | {r['registers']} | "
+                  f"{r['instructions']} | {r['spill_stores']} | {r['spill_loads']} |", flush=True)
     if "head" not in args.kernels:
         return 0
     print("| shape | top-k | launch | instructions | registers | spill stores (bytes) | spill loads (bytes) |")
