@@ -40,10 +40,9 @@ def prefer(compiled) -> None:
     function = getattr(compiled, "function", None)
     if not function:
         return
-    metadata = getattr(compiled, "metadata", None)
-    SEEN[getattr(compiled, "name", "?")] = {"shared_bytes": getattr(metadata, "shared", None),
-                                           "registers": getattr(compiled, "n_regs", None),
-                                           "carveout": _set.get(function)}
+    seen = SEEN[getattr(compiled, "name", "?")] = {
+        "shared_bytes": getattr(getattr(compiled, "metadata", None), "shared", None),
+        "registers": getattr(compiled, "n_regs", None), "carveout": _set.get(function)}
     if PREFERRED is None or _set.get(function) == PREFERRED:
         return
     lib = _driver()
@@ -52,8 +51,7 @@ def prefer(compiled) -> None:
     code = lib.cuFuncSetAttribute(ctypes.c_void_p(function), _ATTR_PREFERRED_CARVEOUT, ctypes.c_int(PREFERRED))
     if code != 0:
         raise RuntimeError(f"cuFuncSetAttribute(preferred carveout {PREFERRED}) returned CUDA error {code}")
-    _set[function] = PREFERRED
-    SEEN[getattr(compiled, "name", "?")]["carveout"] = PREFERRED
+    _set[function] = seen["carveout"] = PREFERRED
 
 
 def preferred_of(function: int) -> int | None:
