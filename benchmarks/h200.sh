@@ -23,6 +23,7 @@
 #   LAUNCH_ARGS="--model gdn-1.3b-random --budget 8" bash benchmarks/h200.sh launch-counts,
 # speedup (run_acceptance.py --speedup on the GPU, SPEEDUP_ROWS), head (the LiLiCorr head's share of a GDN-1.3B-shape step; options in HEAD_ARGS), head-kernels (benchmarks/bench_lilicorr.py,
 # its options in HEAD_KERNELS_ARGS), acceptance,
+# drafter (a drafter kind trained alone: DRAFTER_KINDS, DRAFTER_MINUTES; carry runs/drafter-state/tokens),
 # target (a second training stage of the embedded target from assets/target; needs data/corpus). Needs the
 # pure-Python wheels in .whl/ (see benchmarks/README.md). Results land in $OUT/results
 # (default /tmp/specla-out/results); a stage's time limit is its T_<STAGE> variable.
@@ -224,6 +225,13 @@ for stage in "$@"; do
         2>&1 | tee "$R/log_speedup.txt" ;;
     app) timeout "${T_APP:-540}" python3 benchmarks/app_vs_bench.py --out "$R" --app-args "--device cuda" ${APP_ARGS:-} \
            2>&1 | tee "$R/log_app_vs_bench.txt" ;;
+    drafter) # issue #15: a drafter kind trained alone for a whole command's budget (DRAFTER_KINDS, DRAFTER_MINUTES),
+      # from runs/drafter-state/tokens (the corpus tokenized with the target's tokenizer, carried); the weights
+      # go to $OUT/drafters, beside the results archive
+      timeout "${T_DRAFTER:-585}" python3 -m specla.train drafter --target assets/target --data data/corpus \
+        --state runs/drafter-state --out "$OUT/drafters" --kinds "${DRAFTER_KINDS:-block}" \
+        --minutes "${DRAFTER_MINUTES:-9.0}" --gen-tokens 12000000 ${DRAFTER_ARGS:-} 2>&1 | tee "$R/log_drafter.txt"
+      cp "$OUT/drafters/summary.json" "$R/drafter_summary.json" 2>/dev/null ;;
     target) # the exported weights are too big for the results archive: they go to $OUT/target
       timeout "${T_TARGET:-560}" python3 -m specla.train target --data data/corpus --out /tmp/target2 \
         --backend torch --tokenizer '' --init assets/target \
