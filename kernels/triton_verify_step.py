@@ -67,9 +67,9 @@ SPLIT_K = 128
 IN_PROJ_BLOCK: int | None = None
 # The deferred commit folded by the programs phase A leaves idle (97 units for 132 programs at
 # the embedded shape), not at the head of the recurrence's units in phase B, whose every
-# layer waits on the fold's loads and store before its own. Off until it has been timed and
-# run against the reference on a GPU (`launch_counts +folda`, `h200.sh fold-carve`)
-FOLD_IN_A = False
+# layer waits on the fold's loads and store before its own: the embedded verification alone
+# 154 us against 161 (False: fold in phase B; benchmarks/results/h100/session37/)
+FOLD_IN_A = True
 
 
 @triton.jit
@@ -271,8 +271,9 @@ def _chain_verify_kernel(
         grid_arrive(counter)
         phase += 1
 
-        # B: the deferred commit and the recurrence over the chain, per (head, V tile), from the
-        # raw q and k rows (normed here; V tile 0 writes the normed keys, the commit's factors)
+        # B: (without FOLD_IN_A) the deferred commit, and the recurrence over the chain, per (head,
+        # V tile), from the raw q and k rows (normed here; V tile 0 writes the normed keys, the
+        # commit's factors)
         grid_wait(counter, phase * programs, status)
         tiles = V // PBV
         for unit in range(pid, H * tiles, programs):

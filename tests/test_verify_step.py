@@ -145,11 +145,11 @@ def test_chain_verify_rejects_bad_input():
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("programs", [None, 7])
-def test_chain_verify_fold_in_a_matches_reference(dtype, programs, monkeypatch):
-    """The deferred commit folded by phase A's idle programs (FOLD_IN_A); with 7 programs
-    every program has phase A units and folds after them."""
+def test_chain_verify_fold_in_b_matches_reference(dtype, programs, monkeypatch):
+    """The deferred commit folded at the head of phase B's units (FOLD_IN_A off), the
+    default's alternative."""
     from kernels import triton_verify_step
-    monkeypatch.setattr(triton_verify_step, "FOLD_IN_A", True)
+    monkeypatch.setattr(triton_verify_step, "FOLD_IN_A", False)
     L = SHAPES["embedded"][0]
     assert not check_chain_verify(*SHAPES["embedded"], dtype, "cuda", nodes=8, features=(0, L - 1),
                                   programs=programs)
@@ -198,10 +198,10 @@ if __name__ == "__main__":
     print(("FAIL " if problems else "ok ") + "split heads " + "; ".join(problems))
     failed += bool(problems)
     from kernels import triton_verify_step
-    triton_verify_step.FOLD_IN_A = True
-    problems = check_chain_verify(*SHAPES["tiny"], torch.float32, "cpu", nodes=5, features=(0,), programs=1)
     triton_verify_step.FOLD_IN_A = False
-    print(("FAIL " if problems else "ok ") + "fold in phase A " + "; ".join(problems))
+    problems = check_chain_verify(*SHAPES["tiny"], torch.float32, "cpu", nodes=5, features=(0,), programs=1)
+    triton_verify_step.FOLD_IN_A = True
+    print(("FAIL " if problems else "ok ") + "fold in phase B " + "; ".join(problems))
     failed += bool(problems)
     for deferred in (True, False):
         problems = check_packed_target(torch.float32, deferred)
