@@ -23,7 +23,8 @@
 #   LAUNCH_ARGS="--model gdn-1.3b-random --budget 8" bash benchmarks/h200.sh launch-counts,
 # speedup (run_acceptance.py --speedup on the GPU, SPEEDUP_ROWS), head (the LiLiCorr head's share of a GDN-1.3B-shape step; options in HEAD_ARGS), head-kernels (benchmarks/bench_lilicorr.py,
 # its options in HEAD_KERNELS_ARGS), acceptance,
-# drafter (a drafter kind trained alone: DRAFTER_KINDS, DRAFTER_MINUTES; carry runs/drafter-state/tokens),
+# drafter (a drafter kind trained alone: DRAFTER_KINDS, DRAFTER_MINUTES; carry data/corpus/train.txt.gz and manifest.json),
+# drafter-speed (the block drafter in assets/ against OTHER_BLOCK on 20 held-out prompts),
 # target (a second training stage of the embedded target from assets/target; needs data/corpus). Needs the
 # pure-Python wheels in .whl/ (see benchmarks/README.md). Results land in $OUT/results
 # (default /tmp/specla-out/results); a stage's time limit is its T_<STAGE> variable.
@@ -226,12 +227,25 @@ for stage in "$@"; do
     app) timeout "${T_APP:-540}" python3 benchmarks/app_vs_bench.py --out "$R" --app-args "--device cuda" ${APP_ARGS:-} \
            2>&1 | tee "$R/log_app_vs_bench.txt" ;;
     drafter) # issue #15: a drafter kind trained alone for a whole command's budget (DRAFTER_KINDS, DRAFTER_MINUTES),
-      # from runs/drafter-state/tokens (the corpus tokenized with the target's tokenizer, carried); the weights
-      # go to $OUT/drafters, beside the results archive
+      # from the corpus text (data/corpus/train.txt.gz and manifest.json, carried; tokenized there with the
+      # target's tokenizer); the weights go to $OUT/drafters, beside the results archive
       timeout "${T_DRAFTER:-585}" python3 -m specla.train drafter --target assets/target --data data/corpus \
         --state runs/drafter-state --out "$OUT/drafters" --kinds "${DRAFTER_KINDS:-block}" \
         --minutes "${DRAFTER_MINUTES:-9.0}" --gen-tokens 12000000 ${DRAFTER_ARGS:-} 2>&1 | tee "$R/log_drafter.txt"
       cp "$OUT/drafters/summary.json" "$R/drafter_summary.json" 2>/dev/null ;;
+    drafter-speed) # issue #15: the block drafter in assets/ and, on the same machine, another one (OTHER_BLOCK, a
+      # carried folder, e.g. runs/old_block from `git show cb75a55:assets/drafters/block/<file>`), each with its
+      # own measured preset, on 20 held-out prompts of 128 tokens (the first run compiles the kernels)
+      lc_speed() { timeout "${T_DRAFTER_SPEED:-240}" python3 benchmarks/launch_counts.py --out "$R/$1" --ops fused \
+        --preset measured --speed-prompts data/corpus/heldout_prompts.jsonl --speed-limit 20 --tokens 128 \
+        > "$R/log_$1.txt" 2>&1; tail -2 "$R/log_$1.txt"; }
+      lc_speed lc_drafter_assets
+      other=${OTHER_BLOCK:-runs/old_block}
+      if [ -d "$other" ]; then
+        mkdir -p /tmp/assets_block && cp assets/drafters/block/* /tmp/assets_block/ && cp "$other"/* assets/drafters/block/
+        lc_speed lc_drafter_other
+        cp /tmp/assets_block/* assets/drafters/block/
+      fi ;;
     target) # the exported weights are too big for the results archive: they go to $OUT/target
       timeout "${T_TARGET:-560}" python3 -m specla.train target --data data/corpus --out /tmp/target2 \
         --backend torch --tokenizer '' --init assets/target \
