@@ -130,6 +130,13 @@ def _conv_tile(conv_in, window, index, weight, bias, rows, r_mask, cols, c_mask,
 
 
 @triton.jit
+def _in_proj_units(H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BN: tl.constexpr):
+    """Phase A's unit count: the conv channels' BN-column blocks, the output gate's, and one
+    for a and b. Programs past it have no phase A work: they fold the deferred commit."""
+    return H * (2 * K + V) // BN + (H * V + BN - 1) // BN + 1
+
+
+@triton.jit
 def _in_proj_conv_phase(src, w_in, y_in, N_IN, M, D, eps, pid, programs, sync, window, index, conv_w, conv_b,
                         neg_A, dt_bias, q_raw, k_raw, v_s, g_f, beta_s, conv_in, features, feat_row, F,
                         dtype: tl.constexpr, SWISH: tl.constexpr, DOT: tl.constexpr, H: tl.constexpr,
@@ -145,11 +152,11 @@ def _in_proj_conv_phase(src, w_in, y_in, N_IN, M, D, eps, pid, programs, sync, w
     x + residual and (feat_row >= 0) copies it into features."""
     C: tl.constexpr = H * (2 * K + V)
     CONV_BLOCKS: tl.constexpr = C // BN
-    GATE_BLOCKS: tl.constexpr = (H * V + BN - 1) // BN
+    AB_UNIT = _in_proj_units(H, K, V, BN) - 1      # the last unit: a and b
     rows = tl.arange(0, BM)
     r_mask = rows < M
-    for unit in range(pid, CONV_BLOCKS + GATE_BLOCKS + 1, programs):
-        if unit < CONV_BLOCKS + GATE_BLOCKS:
+    for unit in range(pid, AB_UNIT + 1, programs):
+        if unit < AB_UNIT:
             col0 = unit * BN
             width = tl.minimum(BN, C + H * V - col0)
         else:
@@ -173,7 +180,7 @@ def _in_proj_conv_phase(src, w_in, y_in, N_IN, M, D, eps, pid, programs, sync, w
                 tl.store(v_s + rows[:, None] * H * V + (cols - 2 * H * K)[None, :], x, mask=tile)
         else:
             tl.store(y_in + rows[:, None] * N_IN + cols[None, :], acc.to(dtype), mask=tile)
-            if unit == CONV_BLOCKS + GATE_BLOCKS:     # a and b: the log decay and beta of every node and head
+            if unit == AB_UNIT:     # a and b: the log decay and beta of every node and head
                 tl.debug_barrier()
                 heads = tl.minimum(tl.arange(0, BH), H - 1)[None, :]
                 row_ptr = y_in + tl.minimum(rows, M - 1)[:, None] * N_IN + C + H * V
@@ -235,7 +242,7 @@ def _chain_verify_kernel(
     dtype = w_in.dtype.element_ty
     C = H * (2 * K + V)
     N_IN = C + H * V + 2 * H
-    A_UNITS = C // BN_IN + (H * V + BN_IN - 1) // BN_IN + 1     # phase A's: conv blocks, gate blocks, a and b
+    A_UNITS = _in_proj_units(H, K, V, BN_IN)
     sums = (partials, block_counters)
     # the embeddings: row 0 is the root the last step (or the prefill) left on the device
     o_d = tl.arange(0, BD)
