@@ -623,6 +623,27 @@ class Trainer:
                  "history": self.history[-200:]}
         (self.state / "train_state.json").write_text(json.dumps(state, indent=1))
 
+    def seed_from(self, folder: Path) -> list[str]:
+        """Copy a trained drafter's weights into every parameter of the same name and shape;
+        the rest (a LiLiCorr head seeded from a block drafter) keep their fresh init."""
+        from specla.drafters import WEIGHTS_FILE, read_meta
+        from safetensors.torch import load_file
+        theirs = read_meta(folder).get("target") or {}
+        for key in ("config_hash", "embedding_hash"):
+            if theirs.get(key) != self.fingerprint.get(key):
+                raise ValueError(f"--init-from {folder}: that drafter was trained for another target ({key})")
+        tensors = load_file(str(Path(folder) / WEIGHTS_FILE))
+        seeded = []
+        with torch.no_grad():
+            for name, p in self.net.named_parameters():
+                src = tensors.get(name)
+                if src is not None and src.shape == p.shape:
+                    p.copy_(src.to(p.device, p.dtype))
+                    seeded.append(name)
+        if not seeded:
+            raise ValueError(f"--init-from {folder}: no tensor fits a {self.kind} drafter of this shape")
+        return seeded
+
     def resume(self) -> bool:
         from safetensors.torch import load_file
         try:
@@ -659,13 +680,18 @@ class Trainer:
 
 def train_drafters(live, chunks: list[Chunk], kinds: list[str], out: Path, hp: HParams,
                    fingerprint: dict, *, seconds: float | None = None, max_steps: int | None = None,
-                   resume: bool = False, seed: int = 0, state: Path | None = None, log=print) -> dict:
-    """Train every kind on shared batches until `seconds` or `max_steps`; save; evaluate."""
+                   resume: bool = False, seed: int = 0, state: Path | None = None,
+                   init_from: Path | None = None, log=print) -> dict:
+    """Train every kind on shared batches until `seconds` or `max_steps`; save; evaluate.
+    `init_from` (a drafter folder) seeds the kinds that do not resume."""
     from tqdm import tqdm
     if seconds is None and max_steps is None:
         raise ValueError("give a time budget or a step count")
     trainers = [Trainer(kind, live, hp, fingerprint, out, state) for kind in kinds]
     resumed = {t.kind: (t.resume() if resume else False) for t in trainers}
+    seeded = {t.kind: t.seed_from(init_from) for t in trainers if init_from and not resumed[t.kind]}
+    for kind, names in seeded.items():
+        log(f"[drafter-train] {kind}: {len(names)} tensors seeded from {init_from}")
     lr_cap = 0.3 if any(resumed.values()) else 1.0   # fine-tune gently on a resumed run
     gen = torch.Generator().manual_seed(seed)
     eval_batches = held_out(live, chunks, hp.seqs)
@@ -707,6 +733,8 @@ def train_drafters(live, chunks: list[Chunk], kinds: list[str], out: Path, hp: H
         metrics = t.evaluate(eval_batches) if eval_batches else {}
         t.save({"eval": {k: round(v, 4) for k, v in metrics.items()}})
         summary[t.kind] = {"params": param_count(t.net), "steps": t.step_count, "resumed": resumed[t.kind],
+                           "seeded_from": str(init_from) if t.kind in seeded else None,
+                           "seeded_tensors": len(seeded.get(t.kind, ())),
                            "train_seconds": round(t.seconds, 1),
                            "final": {k: round(v, 4) for k, v in t.running.items()},
                            "eval": {k: round(v, 4) for k, v in metrics.items()},
@@ -798,6 +826,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--minutes", type=float, default=7.5, help="wall-clock budget for everything")
     p.add_argument("--kinds", default="lilicorr,block,eagle")
     p.add_argument("--resume", action="store_true", help="continue from out/<kind>/train_state*")
+    p.add_argument("--init-from", default=None,
+                   help="a trained drafter folder whose weights seed every parameter of the same name and "
+                        "shape (e.g. a LiLiCorr drafter from a block drafter: the head starts fresh)")
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--feature-layers", default=None, help="comma-separated target layers")
@@ -881,7 +912,8 @@ def main(argv: list[str] | None = None) -> int:
     summary["drafters"] = train_drafters(live, chunks, kinds, out, hp, fingerprint,
                                               seconds=None if args.max_steps else seconds,
                                               max_steps=args.max_steps, resume=args.resume, seed=args.seed,
-                                              state=state_dir)
+                                              state=state_dir,
+                                              init_from=Path(args.init_from) if args.init_from else None)
     summary["minutes_used"] = round((time.time() - t_start) / 60, 2)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"[drafter-train] wrote {out / 'summary.json'} after {summary['minutes_used']} min")
