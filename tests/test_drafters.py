@@ -570,6 +570,25 @@ def test_training_command_writes_loadable_checkpoints(target, tmp_path):
     assert all(v["resumed"] and v["steps"] == 6 for v in summary["drafters"].values())
 
 
+def test_a_lilicorr_trainer_seeds_its_block_part_from_a_block_drafter(target, tmp_path):
+    """--init-from: every tensor the block drafter shares by name and shape is copied (bf16 as
+    saved); the LiLiCorr head keeps its fresh init; a drafter for another target is refused."""
+    from specla.drafters import wrap
+    block, _ = trainer_for("block", target)
+    save_drafter(wrap("block", block.net, target, 4), tmp_path / "block")
+    lilicorr, _ = trainer_for("lilicorr", target)
+    head_before = {n: p.clone() for n, p in lilicorr.net.named_parameters() if n.startswith("head.")}
+    seeded = lilicorr.seed_from(tmp_path / "block")
+    mine = dict(lilicorr.net.named_parameters())
+    assert sorted(seeded) == sorted(n for n, _ in block.net.named_parameters())
+    for n, p in block.net.named_parameters():
+        assert torch.equal(mine[n], p.detach().to(torch.bfloat16).float()), n
+    assert head_before and all(torch.equal(mine[n], p) for n, p in head_before.items())
+    other, _ = trainer_for("lilicorr", tiny_target(seed=5))
+    with pytest.raises(ValueError, match="another target"):
+        other.seed_from(tmp_path / "block")
+
+
 # ---------------------------------------------------------------- training == inference
 
 def trainer_for(kind, target, tmp_path=Path("/nonexistent")):
