@@ -34,8 +34,16 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 GRADIO_ANALYTICS_ENABLED=False
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
-# compiled kernels kept in the tree: a warm machine keeps ignored paths between device commands
+# compiled kernels kept in the tree: a warm machine keeps ignored paths between device commands.
+# A fresh one spends 1-3 minutes compiling; SAVE_TRITON_CACHE=1 sends the cache back as
+# $OUT/triton-cache.tgz, and a carried .triton-cache.tgz (that file, moved to the checkout's
+# root) seeds an empty cache. Triton keys each kernel by its source and the GPU's arch, so a
+# stale entry is never used, only recompiled.
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}
+if [ -f .triton-cache.tgz ] && [ -z "$(ls -A "$TRITON_CACHE_DIR" 2>/dev/null)" ]; then
+  mkdir -p "$TRITON_CACHE_DIR" && tar -xzf .triton-cache.tgz -C "$TRITON_CACHE_DIR" \
+    && echo "triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) entries from .triton-cache.tgz"
+fi
 OUT=${OUT:-/tmp/specla-out}
 R=$OUT/results
 mkdir -p "$R"
@@ -258,4 +266,12 @@ for stage in "$@"; do
   # the reply carries at most 8 files: one archive of the results, rewritten after each stage
   tar -czf "$OUT/results.tgz" -C "$OUT" results
 done
+if [ "${SAVE_TRITON_CACHE:-0}" = 1 ] && [ -d "$TRITON_CACHE_DIR" ]; then
+  tar -czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" .
+  # the reply takes files of at most 16 MiB
+  if [ "$(stat -c %s "$OUT/triton-cache.tgz")" -gt 16000000 ]; then
+    echo "triton cache: $(du -h "$OUT/triton-cache.tgz" | cut -f1), over the 16 MiB a file may take back; not sent"
+    rm "$OUT/triton-cache.tgz"
+  fi
+fi
 ls -la "$OUT"
