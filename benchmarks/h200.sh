@@ -26,6 +26,7 @@
 # drafter (a drafter kind trained alone: DRAFTER_KINDS, DRAFTER_MINUTES, DRAFTER_ARGS such as --init-from
 # assets/drafters/block; carry data/corpus/train.txt.gz and manifest.json),
 # drafter-speed (the block drafter in assets/ against OTHER_BLOCK on 20 held-out prompts),
+# head-handoff (the AR step with each head's recurrence inside phase A: GPU tests, phase split, speed),
 # target (a second training stage of the embedded target from assets/target; needs data/corpus). Needs the
 # pure-Python wheels in .whl/ (see benchmarks/README.md). Results land in $OUT/results
 # (default /tmp/specla-out/results); a stage's time limit is its T_<STAGE> variable.
@@ -122,6 +123,17 @@ for stage in "$@"; do
       timeout "${T_PRELOAD_TESTS:-200}" python3 -m pytest -q -p no:cacheprovider tests/test_l2_prefetch.py \
         tests/test_gpu_runtime.py -k "prefetch or per_op_verification_equals_ar" >> "$R/gpu_tests_preload.txt" 2>&1
       grep -E "passed|failed" "$R/gpu_tests_preload.txt" ;;
+    head-handoff) # issue #15: the persistent AR step with each head's recurrence run inside phase A by the
+      # program that completes its inputs (HEAD_HANDOFF, 4 phases a layer): GPU tests against the reference,
+      # the AR step's µs and phase split at 132 programs, then AR and the pair on held-out prompts
+      timeout "${T_HANDOFF_TESTS:-150}" python3 -m pytest -v -p no:cacheprovider tests/test_decode_step.py \
+        -k "matches_reference" > "$R/gpu_tests_handoff.txt" 2>&1
+      tail -2 "$R/gpu_tests_handoff.txt"
+      timeout "${T_HANDOFF_PROGRAMS:-120}" python3 benchmarks/bench_programs.py --out "$R/programs_handoff" \
+        --programs 132 2>&1 | tee "$R/log_programs_handoff.txt"
+      timeout "${T_HANDOFF_SPEED:-260}" python3 benchmarks/launch_counts.py --out "$R/lc_handoff" \
+        --ops fused,fused+handoff --preset measured --speed-prompts data/corpus/heldout_prompts.jsonl \
+        --speed-limit 20 --tokens 128 2>&1 | tee "$R/log_lc_handoff.txt" | grep "^\[" ;;
     head) bench head "${T_HEAD:-300}" ${HEAD_ARGS:-} ;;
     head-kernels) timeout "${T_HEAD_KERNELS:-300}" python3 benchmarks/bench_lilicorr.py --out "$R" ${HEAD_KERNELS_ARGS:-} \
              2>&1 | tee "$R/log_bench_lilicorr.txt" ;;
