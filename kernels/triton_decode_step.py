@@ -117,6 +117,7 @@ def _in_proj_handoff_phase(src, w_in, y_in, N_IN, D, eps, pid, programs, sync, h
             h0 = tl.where(col0 < C, head, 0)
             for h in range(h0, tl.where(col0 < C, head + 1, H)):
                 if tl.atomic_add(head_counts + h, 1, sem="acq_rel", scope="gpu") == NEEDED - 1:
+                    tl.debug_barrier()             # the acquire before any thread's loads, as in grid_wait
                     for tile in range(0, V // BV):
                         _recurrence_unit(y_in, cache_l, conv_w_l, conv_b_l, neg_A_l, dt_bias_l, S_l, o_buf,
                                          h + tile * H, scale, H, K, V, W, BK, BV, BW, HAS_BIAS, NEG_EIGVAL)
