@@ -100,19 +100,11 @@ SHAPES = {   # L, D, H, K, V, W, I, vocab
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("programs", [None, 7])
-def test_decode_step_matches_reference(shape, dtype, programs):
+@pytest.mark.parametrize("handoff", [False, True], ids=["phase-b", "head-handoff"])
+def test_decode_step_matches_reference(shape, dtype, programs, handoff):
+    """`head-handoff`: each head's recurrence run by the program that completes its inputs in A."""
     assert not check_decode_step(*SHAPES[shape], dtype, "cuda", bias=shape == "tiny",
-                                 neg_eigval=shape == "wide-heads", programs=programs, steps=4)
-
-
-@needs_cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("programs", [None, 7])
-def test_decode_step_head_handoff_matches_reference(shape, dtype, programs):
-    """Each head's recurrence run by the program that completes its inputs in phase A."""
-    assert not check_decode_step(*SHAPES[shape], dtype, "cuda", bias=shape == "tiny",
-                                 neg_eigval=shape == "wide-heads", programs=programs, steps=4, handoff=True)
+                                 neg_eigval=shape == "wide-heads", programs=programs, steps=4, handoff=handoff)
 
 
 def test_decode_step_rejects_bad_shapes():
