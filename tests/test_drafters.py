@@ -587,6 +587,8 @@ def test_a_lilicorr_trainer_seeds_its_block_part_from_a_block_drafter(target, tm
     other, _ = trainer_for("lilicorr", tiny_target(seed=5))
     with pytest.raises(ValueError, match="another target"):
         other.seed_from(tmp_path / "block")
+    with pytest.raises(ValueError, match="no drafter.json"):
+        lilicorr.seed_from(tmp_path)
 
 
 # ---------------------------------------------------------------- training == inference

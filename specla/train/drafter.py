@@ -294,6 +294,21 @@ class HParams:
     save_every: float = 60.0       # seconds
 
 
+def seed_tensors(folder: Path, fingerprint: dict) -> dict[str, torch.Tensor]:
+    """The weights of the drafter in `folder` (`--init-from`), once its drafter.json says it
+    was trained for the target of `fingerprint`; else ValueError."""
+    from safetensors.torch import load_file
+    from specla.drafters import WEIGHTS_FILE, read_meta
+    theirs = read_meta(folder).get("target") or {}
+    for key in ("config_hash", "embedding_hash"):
+        if theirs.get(key) != fingerprint.get(key):
+            raise ValueError(f"--init-from {folder}: that drafter was trained for another target ({key})")
+    try:
+        return load_file(str(Path(folder) / WEIGHTS_FILE))
+    except Exception as err:  # safetensors' own error type moved between versions
+        raise ValueError(f"--init-from {folder}: {WEIGHTS_FILE} is missing or unreadable ({err})") from None
+
+
 def lr_scale(progress: float, warmup: float) -> float:
     """Linear warm-up, then cosine down to 10%."""
     if progress < warmup:
@@ -520,13 +535,7 @@ class Trainer:
     def seed_from(self, folder: Path) -> list[str]:
         """Copy a trained drafter's weights into every parameter of the same name and shape;
         the rest (a LiLiCorr head seeded from a block drafter) keep their fresh init."""
-        from specla.drafters import WEIGHTS_FILE, read_meta
-        from safetensors.torch import load_file
-        theirs = read_meta(folder).get("target") or {}
-        for key in ("config_hash", "embedding_hash"):
-            if theirs.get(key) != self.fingerprint.get(key):
-                raise ValueError(f"--init-from {folder}: that drafter was trained for another target ({key})")
-        tensors = load_file(str(Path(folder) / WEIGHTS_FILE))
+        tensors = seed_tensors(folder, self.fingerprint)
         seeded = []
         with torch.no_grad():
             for name, p in self.net.named_parameters():
@@ -724,6 +733,11 @@ def main(argv: list[str] | None = None) -> int:
         summary["target_loader"] = f"specla runtime ({device.type}, fp32)"
     fingerprint = target_fingerprint(config, live.model.model.embeddings.weight)
     summary["target"] = fingerprint
+    if args.init_from:      # before minutes of generation, not after
+        try:
+            seed_tensors(Path(args.init_from), fingerprint)
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
 
     t_gen = time.time()
     chunks = load_corpus(state_dir / "data", fingerprint, device) if args.resume else None
