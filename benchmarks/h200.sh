@@ -56,6 +56,12 @@ bench() {  # bench SUITE LIMIT [extra args]
     --deadline $((limit - 40)) "$@" 2>&1 | tee "$R/log_$suite.txt"
 }
 
+pair_speed() {  # pair_speed NAME LIMIT [launch_counts options]: the embedded pair, measured preset, 20 held-out prompts
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 benchmarks/launch_counts.py --out "$R/$name" --preset measured \
+    --speed-prompts data/corpus/heldout_prompts.jsonl --speed-limit 20 --tokens 128 "$@" > "$R/log_$name.txt" 2>&1
+}
+
 for stage in "$@"; do
   start=$SECONDS
   echo "=== stage $stage"
@@ -131,9 +137,8 @@ for stage in "$@"; do
       tail -2 "$R/gpu_tests_handoff.txt"
       timeout "${T_HANDOFF_PROGRAMS:-120}" python3 benchmarks/bench_programs.py --out "$R/programs_handoff" \
         --programs 132 2>&1 | tee "$R/log_programs_handoff.txt"
-      timeout "${T_HANDOFF_SPEED:-260}" python3 benchmarks/launch_counts.py --out "$R/lc_handoff" \
-        --ops fused,fused+handoff --preset measured --speed-prompts data/corpus/heldout_prompts.jsonl \
-        --speed-limit 20 --tokens 128 2>&1 | tee "$R/log_lc_handoff.txt" | grep "^\[" ;;
+      pair_speed lc_handoff "${T_HANDOFF_SPEED:-260}" --ops fused,fused+handoff
+      grep "^\[" "$R/log_lc_handoff.txt" ;;
     head) bench head "${T_HEAD:-300}" ${HEAD_ARGS:-} ;;
     head-kernels) timeout "${T_HEAD_KERNELS:-300}" python3 benchmarks/bench_lilicorr.py --out "$R" ${HEAD_KERNELS_ARGS:-} \
              2>&1 | tee "$R/log_bench_lilicorr.txt" ;;
@@ -257,9 +262,7 @@ for stage in "$@"; do
     drafter-speed) # issue #15: the block drafter in assets/ and, on the same machine, another one (OTHER_BLOCK, a
       # carried folder, e.g. runs/old_block from `git show cb75a55:assets/drafters/block/<file>`), each with its
       # own measured preset, on 20 held-out prompts of 128 tokens (the first run compiles the kernels)
-      lc_speed() { timeout "${T_DRAFTER_SPEED:-240}" python3 benchmarks/launch_counts.py --out "$R/$1" --ops fused \
-        --preset measured --speed-prompts data/corpus/heldout_prompts.jsonl --speed-limit 20 --tokens 128 \
-        > "$R/log_$1.txt" 2>&1; tail -2 "$R/log_$1.txt"; }
+      lc_speed() { pair_speed "$1" "${T_DRAFTER_SPEED:-240}" --ops fused; tail -2 "$R/log_$1.txt"; }
       lc_speed lc_drafter_assets
       other=${OTHER_BLOCK:-runs/old_block}
       if [ -d "$other" ]; then
