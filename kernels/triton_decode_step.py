@@ -46,9 +46,12 @@ from kernels.pdl import grid_arrive, grid_wait, phase_us, stamp
 from kernels.triton_projection import DEFAULT_SMS, _gemv_slice
 
 # Phase B run by phase A's programs: the program whose input-projection block completes a
-# head's inputs runs that head's recurrence at once (the last arrival on a per-head counter),
-# so no grid barrier separates the projection from the recurrence: 4 phases a layer, not 5.
-# Needs the projection's column blocks to divide K and V; otherwise the step keeps phase B.
+# head's q, k and v runs that head's recurrence at once (the last arrival on a per-head
+# counter), so no grid barrier separates the projection from the recurrence: 4 phases a
+# layer, not 5. The gates' a/b block serves every head, so it has its own counter: counted on
+# the heads' counters, its program would be the last arrival of many heads and run their
+# recurrences one after another. Needs the projection's column blocks to divide K and V;
+# otherwise the step keeps phase B.
 HEAD_HANDOFF = False
 
 @triton.jit
@@ -87,41 +90,44 @@ def _recurrence_unit(y_in, cache_l, conv_w_l, conv_b_l, neg_A_l, dt_bias_l, S_l,
 
 
 @triton.jit
-def _in_proj_handoff_phase(src, w_in, y_in, N_IN, D, eps, pid, programs, sync, head_counts, cache_l, conv_w_l,
-                           conv_b_l, neg_A_l, dt_bias_l, S_l, o_buf, scale, dtype: tl.constexpr,
+def _in_proj_handoff_phase(src, w_in, y_in, N_IN, D, eps, pid, programs, sync, head_counts, ab_count, ab_target,
+                           cache_l, conv_w_l, conv_b_l, neg_A_l, dt_bias_l, S_l, o_buf, scale, dtype: tl.constexpr,
                            SWISH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                            W: tl.constexpr, BN: tl.constexpr, BK_D: tl.constexpr, VEC: tl.constexpr,
                            BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, HAS_BIAS: tl.constexpr,
                            NEG_EIGVAL: tl.constexpr):
     """Phase A (the input projection, as `_projection_phase`) with phase B handed off inside
-    it. A head's inputs are its q, k and v channel blocks and the a and b block(s), which
-    count for every head; each block's program counts it on the head's counter once its stores
-    are out, and the program that makes the last count runs the head's recurrence (every V
-    tile), then re-arms the counter. Nobody waits: with one program the last block runs all."""
+    it. A head's own inputs are its q, k and v channel blocks: each block's program counts it
+    on the head's counter once its stores are out, and the program that makes the last count
+    runs the head's recurrence (every V tile), then re-arms the counter. The gates' a and b
+    columns, shared by all heads, are the first blocks dealt (every program projects its a/b
+    blocks before any head block, so the wait below cannot block an a/b block): they count on
+    `ab_count`, which the recurrence waits to reach `ab_target`, usually already there."""
     counter, arrivals, status = sync
     C: tl.constexpr = H * (2 * K + V)
-    AB: tl.constexpr = C + H * V                   # the first column of a and b
-    NEEDED: tl.constexpr = (2 * K + V) // BN + (2 * H + BN - 1) // BN
+    AB_BLOCK: tl.constexpr = (C + H * V) // BN     # the first block of a and b (BN divides K and V)
+    NEEDED: tl.constexpr = (2 * K + V) // BN       # a head's q, k and v blocks
     blocks = tl.cdiv(N_IN, BN)
-    for blk in range(pid, blocks, programs):
+    for i in range(pid, blocks, programs):
+        blk = (i + AB_BLOCK) % blocks              # a and b first
         col0 = blk * BN
         cols = col0 + tl.arange(0, BN)
         c_mask = cols < N_IN
-        first = (counter, tl.where(blk == pid, arrivals, 0), status)
+        first = (counter, tl.where(i == pid, arrivals, 0), status)
         acc = _gemv_slice(src, w_in + cols[:, None] * D, c_mask, 0, D, 1, D, eps, blk == 0, dtype,
                           0, True, SWISH, 1, 1, BN, BK_D, 2, VEC, first)
         tl.store(y_in + cols[None, :], acc.to(y_in.dtype.element_ty), mask=c_mask[None, :])
-        if (col0 < C) | (col0 >= AB):
+        if blk >= AB_BLOCK:
+            grid_arrive(ab_count)
+        elif col0 < C:
             tl.debug_barrier()                     # every thread's stores out before the release
-            head = tl.where(col0 < 2 * H * K, (col0 % (H * K)) // K, (col0 - 2 * H * K) // V)
-            h0 = tl.where(col0 < C, head, 0)
-            for h in range(h0, tl.where(col0 < C, head + 1, H)):
-                if tl.atomic_add(head_counts + h, 1, sem="acq_rel", scope="gpu") == NEEDED - 1:
-                    tl.debug_barrier()             # the acquire before any thread's loads, as in grid_wait
-                    for tile in range(0, V // BV):
-                        _recurrence_unit(y_in, cache_l, conv_w_l, conv_b_l, neg_A_l, dt_bias_l, S_l, o_buf,
-                                         h + tile * H, scale, H, K, V, W, BK, BV, BW, HAS_BIAS, NEG_EIGVAL)
-                    tl.atomic_xchg(head_counts + h, 0, sem="relaxed", scope="gpu")
+            h = tl.where(col0 < 2 * H * K, (col0 % (H * K)) // K, (col0 - 2 * H * K) // V)
+            if tl.atomic_add(head_counts + h, 1, sem="acq_rel", scope="gpu") == NEEDED - 1:
+                grid_wait(ab_count, ab_target, status)     # the acquire, then a CTA barrier
+                for tile in range(0, V // BV):
+                    _recurrence_unit(y_in, cache_l, conv_w_l, conv_b_l, neg_A_l, dt_bias_l, S_l, o_buf,
+                                     h + tile * H, scale, H, K, V, W, BK, BV, BW, HAS_BIAS, NEG_EIGVAL)
+                tl.atomic_xchg(head_counts + h, 0, sem="relaxed", scope="gpu")
     if pid >= blocks:
         grid_wait(counter, arrivals, status)
 
@@ -178,7 +184,8 @@ def _decode_step_kernel(
         cache_l = cache + l * C * W
         if HANDOFF:     # B inside A: a head's recurrence runs once its inputs are out
             _in_proj_handoff_phase(src, w_in + l * N_IN * D, y_in, N_IN, D, eps, pid, programs,
-                                   (counter, phase * programs, status), head_counts + l * H, cache_l,
+                                   (counter, phase * programs, status), head_counts + l * H, head_counts + L * H,
+                                   (l + 1) * tl.cdiv(2 * H, BN_IN), cache_l,
                                    conv_w + l * C * W, conv_b + l * C, neg_A + l * H, dt_bias + l * H,
                                    S + l * H * K * V, o_buf, scale, dtype, SWISH, H, K, V, W, BN_IN, BK_D, VEC,
                                    BK, BV, BW, HAS_BIAS, NEG_EIGVAL)
@@ -250,6 +257,8 @@ def _decode_step_kernel(
     last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if last == (phase + 1) * programs - 1:
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+        if HANDOFF:     # the a/b arrivals, summed over the layers
+            tl.atomic_xchg(head_counts + L * H, 0, sem="relaxed", scope="gpu")
 
 
 def _block_n(N: int, programs: int, block_k: int, elem: int) -> int:
@@ -305,7 +314,8 @@ class PersistentDecodeStep:
         self.o = torch.zeros(H * V, **f32)
         self.gate_up = torch.zeros(2 * I, device=dev, dtype=self.dtype)
         self.counter = torch.zeros(1, device=dev, dtype=torch.int32)
-        self.head_counts = torch.zeros(L * H, device=dev, dtype=torch.int32)     # HEAD_HANDOFF's, re-armed
+        # HEAD_HANDOFF's counters, re-armed: each head's in each layer, then the a/b blocks'
+        self.head_counts = torch.zeros(L * H + 1, device=dev, dtype=torch.int32)
         self.status = torch.zeros(1, device=dev, dtype=torch.int32)
         # (benchmarks) when each program ends each phase: 5 a layer, the head, the greedy pick
         self.times = torch.zeros(5 * L + 2, self.programs, device=dev, dtype=torch.int64) if timed else None
