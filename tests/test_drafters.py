@@ -558,6 +558,9 @@ def test_training_command_writes_loadable_checkpoints(target, tmp_path):
     assert main(args) == 0
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert set(summary["drafters"]) == set(DRAFTERS)
+    first_seconds = {k: v["train_seconds"] for k, v in summary["drafters"].items()}
+    # the wall time of the loop that trains every kind together, not each kind's own host time
+    assert len(set(first_seconds.values())) == 1 and min(first_seconds.values()) > 0
     assert summary["data"]["greedy_agreement"] == 1.0
     sent_back = sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*") if p.is_file())
     assert sent_back == sorted(["summary.json"] + [f"{k}/drafter.{e}" for k in DRAFTERS for e in ("json", "safetensors")])
@@ -568,6 +571,7 @@ def test_training_command_writes_loadable_checkpoints(target, tmp_path):
     assert main(args + ["--resume"]) == 0
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert all(v["resumed"] and v["steps"] == 6 for v in summary["drafters"].values())
+    assert all(v["train_seconds"] > first_seconds[k] for k, v in summary["drafters"].items())
 
 
 def test_a_lilicorr_trainer_seeds_its_block_part_from_a_block_drafter(target, tmp_path):

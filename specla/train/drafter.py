@@ -453,7 +453,6 @@ class Trainer:
 
     # -- optimisation ------------------------------------------------------------------------
     def step(self, tokens, prompt_len, tout, lr_factor: float) -> dict[str, float]:
-        t0 = time.time()
         for group in self.opt.param_groups:
             group["lr"] = self.peak_lr * lr_factor
         dev = tokens.device
@@ -464,7 +463,6 @@ class Trainer:
         gnorm = torch.nn.utils.clip_grad_norm_(self.net.parameters(), 1.0)
         self.opt.step()
         self.step_count += 1
-        self.seconds += time.time() - t0
         vals = {k: v.detach() for k, v in out.items()} | {"grad_norm": gnorm.detach()}
         for key, val in vals.items():   # smoothed, kept on the device (no sync per step)
             self._running[key] = val.float() if key not in self._running else 0.95 * self._running[key] + 0.05 * val.float()
@@ -599,6 +597,9 @@ def train_drafters(live, chunks: list[Chunk], kinds: list[str], out: Path, hp: H
     gen = torch.Generator().manual_seed(seed)
     eval_batches = held_out(live, chunks, hp.seqs)
     t0 = last_save = time.time()
+    # the wall time of training (the live target's forward and every kind's step, run
+    # together); a step's host time alone misses the GPU work it queues
+    base_seconds = {t.kind: t.seconds for t in trainers}
     step = 0
     bar = tqdm(total=max_steps or int(seconds), desc="train " + ",".join(kinds), mininterval=5,
                unit="step" if max_steps else "s")
@@ -624,15 +625,18 @@ def train_drafters(live, chunks: list[Chunk], kinds: list[str], out: Path, hp: H
         if step % 50 == 0:
             bar.set_postfix({t.kind: f"{float(t._running['loss']):.3f}" for t in trainers})
         if time.time() - last_save > hp.save_every:
+            now = time.time()
             for t in trainers:
+                t.seconds = base_seconds[t.kind] + now - t0
                 t.save()
                 log(f"[drafter-train] {elapsed:6.0f}s step {step:6d} {t.kind:8s} " + " ".join(
                     f"{k}={v:.3f}" for k, v in t.running.items()
                     if k in ("loss", "slot_acc", "top1_prefix", "selected_prefix", "oracle_prefix", "acc1", "acc3")))
             last_save = time.time()
     bar.close()
-    summary = {}
+    summary, now = {}, time.time()
     for t in trainers:
+        t.seconds = base_seconds[t.kind] + now - t0
         metrics = t.evaluate(eval_batches) if eval_batches else {}
         t.save({"eval": {k: round(v, 4) for k, v in metrics.items()}})
         summary[t.kind] = {"params": param_count(t.net), "steps": t.step_count, "resumed": resumed[t.kind],
