@@ -132,12 +132,12 @@ for stage in "$@"; do
     head-handoff) # issue #15: the persistent AR step with each head's recurrence run inside phase A by the
       # program that completes its inputs (HEAD_HANDOFF, 4 phases a layer): GPU tests against the reference,
       # the AR step's µs and phase split at 132 programs, then AR and the pair on held-out prompts
-      timeout "${T_HANDOFF_TESTS:-150}" python3 -m pytest -v -p no:cacheprovider tests/test_decode_step.py \
+      timeout "${T_HANDOFF_TESTS:-90}" python3 -m pytest -v -p no:cacheprovider tests/test_decode_step.py \
         -k "matches_reference" > "$R/gpu_tests_handoff.txt" 2>&1
       tail -2 "$R/gpu_tests_handoff.txt"
-      timeout "${T_HANDOFF_PROGRAMS:-120}" python3 benchmarks/bench_programs.py --out "$R/programs_handoff" \
+      timeout "${T_HANDOFF_PROGRAMS:-220}" python3 benchmarks/bench_programs.py --out "$R/programs_handoff" \
         --programs 132 2>&1 | tee "$R/log_programs_handoff.txt"
-      pair_speed lc_handoff "${T_HANDOFF_SPEED:-260}" --ops fused,fused+handoff
+      pair_speed lc_handoff "${T_HANDOFF_SPEED:-230}" --ops fused,fused+handoff
       grep "^\[" "$R/log_lc_handoff.txt" ;;
     head) bench head "${T_HEAD:-300}" ${HEAD_ARGS:-} ;;
     head-kernels) timeout "${T_HEAD_KERNELS:-300}" python3 benchmarks/bench_lilicorr.py --out "$R" ${HEAD_KERNELS_ARGS:-} \
