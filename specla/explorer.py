@@ -123,7 +123,7 @@ def load_examples(path: Path = EXAMPLES_FILE) -> tuple[list[list[str]], list[str
 
 def control_values(runtime: runner.Runtime, **overrides) -> list:
     """Values of the settings controls in CONTROLS order (for tests and API clients)."""
-    drafter = overrides.get("drafter", next(iter(runtime.drafters)))
+    drafter = overrides.get("drafter", runner.default_drafter(runtime))
     values = {**CONTROL_DEFAULTS, "drafter": drafter, "paths": runner.default_preset(runtime, drafter), **overrides}
     return [values[name] for name in CONTROLS]
 
@@ -270,7 +270,7 @@ class Explorer:
             raise ValueError("the model choices must start from the runtime the page was built with")
         self.run_fn = run_fn or (lambda model, prompt, settings:
                                  runner.run(self.models.runtime(model), prompt, settings))
-        self.first_drafter = next(iter(runtime.drafters))
+        self.first_drafter = runner.default_drafter(runtime)
 
     # -- helpers ---------------------------------------------------------------------
     def control_range(self, name: str, drafter: str | None = None, model: str = LOADED) -> tuple[float, float]:

@@ -301,6 +301,21 @@ def load_runtime(model: str | None = None, drafters: str | None = None,
                    note=note, labels={"ngram": found["ngram"].label}, engine=Engine(target, backend))
 
 
+# The drafter a page, or a run that names none, starts with: the pair measured fastest with
+# the page's starting shape on the engine's backend. CUDA graphs: the block drafter at its
+# measured preset, 1.23x, against LiLiCorr's chain at 1.00x (an H100,
+# benchmarks/results/h100/session39/). The CPU: LiLiCorr's chain, 1.60x, against the block
+# chain's 1.52x (benchmarks/results/cpu/session39/speedup_cpu_default_drafter.md).
+PREFERRED_DRAFTERS = {"graphed": ("block", "lilicorr"), "eager": ("lilicorr", "block")}
+
+
+def default_drafter(runtime: Runtime) -> str:
+    """Of the loaded drafters, the first of `PREFERRED_DRAFTERS` for the engine's backend;
+    else the first loaded."""
+    preferred = PREFERRED_DRAFTERS.get(runtime.engine.backend, ())
+    return next((name for name in preferred if name in runtime.drafters), next(iter(runtime.drafters)))
+
+
 DRAFTER_LIMITS = {"block_size": 32, "top_k": 16}    # the page's limits for a drafter without training limits
 
 
@@ -430,7 +445,7 @@ def normalize_settings(runtime: Runtime, settings: dict | None) -> dict:
     """
     s = dict(DEFAULTS, **{k: v for k, v in (settings or {}).items() if k in DEFAULTS})
     if s["drafter"] in (None, ""):
-        s["drafter"] = next(iter(runtime.drafters))
+        s["drafter"] = default_drafter(runtime)
     if not isinstance(s["drafter"], str) or s["drafter"] not in runtime.drafters:
         raise ValueError(f"unknown drafter {s['drafter']!r}; this model has: {', '.join(runtime.drafters)}")
     _choice(s, "tree", TREE_SHAPES, "tree shape")

@@ -451,11 +451,14 @@ def test_controls_stay_consistent(ex):
 def test_a_graphed_page_starts_the_block_drafter_on_its_measured_preset(rt):
     """Where the engine runs CUDA graphs (here without capture, on the CPU) the page starts on
     the fastest path measured there: the block drafter's measured preset. A preset left at a
-    default follows the drafter; one the user wrote is kept; the eager page keeps the chain."""
+    default follows the drafter; one the user wrote is kept; the eager page keeps the chain,
+    and starts on the drafter measured fastest there, LiLiCorr's chain."""
     from specla.engine import Engine
     graphed = dataclasses.replace(rt, engine=Engine(rt.target, "graphed", use_graph=False))
     gx, eager = Explorer(graphed), Explorer(rt)
     assert gx.first_drafter == "block" and gx.preset_for("block") == runner.MEASURED
+    assert eager.first_drafter == "lilicorr" and runner.normalize_settings(rt, {})["drafter"] == "lilicorr"
+    assert runner.default_drafter(dataclasses.replace(rt, drafters={"ngram": rt.drafters["ngram"]})) == "ngram"
     assert eager.preset_for("block") == "" and gx.preset_for("lilicorr") == ""
     *_, paths, mode, note = gx.on_drafter("lilicorr", 8, 4, LOADED, "chain", "measured", "auto")
     assert paths.value == "" and mode.value == "auto" and note == ""

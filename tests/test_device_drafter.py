@@ -582,13 +582,13 @@ def test_every_device_drafter_is_built_with_compile():
 @needs_cuda
 @pytest.mark.gpu
 def test_the_page_defaults_run_the_measured_preset_on_the_device():
-    """What a page on a GPU starts with (its first drafter and `runner.default_preset`), through
+    """What a page on a GPU starts with (`runner.default_drafter` and `runner.default_preset`), through
     the service layer the page's Run calls: the block drafter's measured preset, drafted,
     verified and accepted on the device, bf16 output equal to AR or leaving it at a near-tie."""
     _embedded_pair()                                    # skips without the trained assets
     from specla import runner
     rt = runner.load_runtime(device="cuda")
-    drafter = next(iter(rt.drafters))
+    drafter = runner.default_drafter(rt)
     settings = {"drafter": drafter, "paths": runner.default_preset(rt, drafter), "max_new_tokens": 64}
     assert drafter == "block" and settings["paths"] == runner.MEASURED
     trace = [t for t in runner.run(rt, "def add(a, b):\n    return", settings) if isinstance(t, dict)][-1]
