@@ -90,7 +90,7 @@ def _recurrence_unit(y_in, cache_l, conv_w_l, conv_b_l, neg_A_l, dt_bias_l, S_l,
 
 
 @triton.jit
-def _in_proj_handoff_phase(src, w_in, y_in, N_IN, D, eps, pid, programs, sync, head_counts, ab_count, ab_target,
+def _in_proj_handoff_phase(src, w_in, y_in, N_IN, D, eps, pid, programs, sync, head_counts, ab_count, layer,
                            cache_l, conv_w_l, conv_b_l, neg_A_l, dt_bias_l, S_l, o_buf, scale, dtype: tl.constexpr,
                            SWISH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                            W: tl.constexpr, BN: tl.constexpr, BK_D: tl.constexpr, VEC: tl.constexpr,
@@ -102,12 +102,13 @@ def _in_proj_handoff_phase(src, w_in, y_in, N_IN, D, eps, pid, programs, sync, h
     runs the head's recurrence (every V tile), then re-arms the counter. The gates' a and b
     columns, shared by all heads, are the first blocks dealt (every program projects its a/b
     blocks before any head block, so the wait below cannot block an a/b block): they count on
-    `ab_count`, which the recurrence waits to reach `ab_target`, usually already there."""
+    `ab_count`, summed over the layers, which the recurrence waits for (usually already there)."""
     counter, arrivals, status = sync
     C: tl.constexpr = H * (2 * K + V)
     AB_BLOCK: tl.constexpr = (C + H * V) // BN     # the first block of a and b (BN divides K and V)
     NEEDED: tl.constexpr = (2 * K + V) // BN       # a head's q, k and v blocks
     blocks = tl.cdiv(N_IN, BN)
+    ab_target = (layer + 1) * (blocks - AB_BLOCK)  # this layer's a/b blocks and every earlier layer's
     for i in range(pid, blocks, programs):
         blk = (i + AB_BLOCK) % blocks              # a and b first
         col0 = blk * BN
@@ -184,8 +185,8 @@ def _decode_step_kernel(
         cache_l = cache + l * C * W
         if HANDOFF:     # B inside A: a head's recurrence runs once its inputs are out
             _in_proj_handoff_phase(src, w_in + l * N_IN * D, y_in, N_IN, D, eps, pid, programs,
-                                   (counter, phase * programs, status), head_counts + l * H, head_counts + L * H,
-                                   (l + 1) * tl.cdiv(2 * H, BN_IN), cache_l,
+                                   (counter, phase * programs, status), head_counts + l * H, head_counts + L * H, l,
+                                   cache_l,
                                    conv_w + l * C * W, conv_b + l * C, neg_A + l * H, dt_bias + l * H,
                                    S + l * H * K * V, o_buf, scale, dtype, SWISH, H, K, V, W, BN_IN, BK_D, VEC,
                                    BK, BV, BW, HAS_BIAS, NEG_EIGVAL)
