@@ -157,17 +157,14 @@ if __name__ == "__main__":
     if sys.argv[1:] != ["--interpreter"] or os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit(f"usage: TRITON_INTERPRET=1 python {sys.argv[0]} --interpreter")
     failed = 0
-    for dtype in (torch.float32, torch.bfloat16):
-        problems = check_decode_step(*SHAPES["tiny"], dtype, "cpu", bias=dtype == torch.float32,
-                                     neg_eigval=dtype == torch.bfloat16, programs=1)
-        print(("FAIL " if problems else "ok ") + str(dtype) + " " + "; ".join(problems))
-        failed += bool(problems)
+    for handoff in (False, True):
+        for dtype in (torch.float32, torch.bfloat16):
+            problems = check_decode_step(*SHAPES["tiny"], dtype, "cpu", bias=dtype == torch.float32,
+                                         neg_eigval=dtype == torch.bfloat16, programs=1, handoff=handoff)
+            print(("FAIL " if problems else "ok ") + ("head handoff " if handoff else "") + str(dtype) + " "
+                  + "; ".join(problems))
+            failed += bool(problems)
     problems = check_packed_target(torch.float32)
     print(("FAIL " if problems else "ok ") + "packed target " + "; ".join(problems))
     failed += bool(problems)
-    for dtype in (torch.float32, torch.bfloat16):
-        problems = check_decode_step(*SHAPES["tiny"], dtype, "cpu", bias=dtype == torch.float32,
-                                     neg_eigval=dtype == torch.bfloat16, programs=1, handoff=True)
-        print(("FAIL " if problems else "ok ") + "head handoff " + str(dtype) + " " + "; ".join(problems))
-        failed += bool(problems)
     sys.exit(1 if failed else 0)
