@@ -26,7 +26,8 @@
 # drafter (a drafter kind trained alone: DRAFTER_KINDS, DRAFTER_MINUTES, DRAFTER_ARGS such as --init-from
 # assets/drafters/block; carry data/corpus/train.txt.gz and manifest.json),
 # drafter-speed (the block drafter in assets/ against OTHER_BLOCK on 20 held-out prompts),
-# head-handoff (the AR step with each head's recurrence inside phase A: GPU tests, phase split, speed),
+# head-handoff (the AR step with each head's recurrence inside phase A, the verification's recurrence units
+# waiting per head: GPU tests, speed),
 # target (a second training stage of the embedded target from assets/target; needs data/corpus). Needs the
 # pure-Python wheels in .whl/ (see benchmarks/README.md). Results land in $OUT/results
 # (default /tmp/specla-out/results); a stage's time limit is its T_<STAGE> variable.
@@ -129,15 +130,15 @@ for stage in "$@"; do
       timeout "${T_PRELOAD_TESTS:-200}" python3 -m pytest -q -p no:cacheprovider tests/test_l2_prefetch.py \
         tests/test_gpu_runtime.py -k "prefetch or per_op_verification_equals_ar" >> "$R/gpu_tests_preload.txt" 2>&1
       grep -E "passed|failed" "$R/gpu_tests_preload.txt" ;;
-    head-handoff) # issue #15: the persistent AR step with each head's recurrence run inside phase A by the
-      # program that completes its inputs (HEAD_HANDOFF, 4 phases a layer): GPU tests against the reference,
-      # the AR step's µs and phase split at 132 programs, then AR and the pair on held-out prompts
-      timeout "${T_HANDOFF_TESTS:-90}" python3 -m pytest -v -p no:cacheprovider tests/test_decode_step.py \
-        -k "matches_reference" > "$R/gpu_tests_handoff.txt" 2>&1
+    head-handoff) # issues #15: the persistent AR step with each head's recurrence run inside phase A by the
+      # program that completes its inputs (4 phases a layer), and the verification's recurrence units waiting
+      # for their own head's inputs instead of the grid: GPU tests of both against their references, then AR
+      # and the pair on held-out prompts without, with the AR handoff, and with both
+      timeout "${T_HANDOFF_TESTS:-150}" python3 -m pytest -v -p no:cacheprovider tests/test_decode_step.py \
+        tests/test_verify_step.py -k "decode_step_matches_reference or handoff_matches_reference" \
+        > "$R/gpu_tests_handoff.txt" 2>&1
       tail -2 "$R/gpu_tests_handoff.txt"
-      timeout "${T_HANDOFF_PROGRAMS:-220}" python3 benchmarks/bench_programs.py --out "$R/programs_handoff" \
-        --programs 132 2>&1 | tee "$R/log_programs_handoff.txt"
-      pair_speed lc_handoff "${T_HANDOFF_SPEED:-230}" --ops fused,fused+handoff
+      pair_speed lc_handoff "${T_HANDOFF_SPEED:-360}" --ops fused,fused+handoff,fused+handoff+vhandoff
       grep "^\[" "$R/log_lc_handoff.txt" ;;
     head) bench head "${T_HEAD:-300}" ${HEAD_ARGS:-} ;;
     head-kernels) timeout "${T_HEAD_KERNELS:-300}" python3 benchmarks/bench_lilicorr.py --out "$R" ${HEAD_KERNELS_ARGS:-} \
