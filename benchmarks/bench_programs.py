@@ -34,16 +34,14 @@ from tests.test_decode_step import SHAPES, random_weights  # noqa: E402
 
 AR_PHASES = ("A norm + in-proj", "B conv + gates + recurrence", "C gated norm + out-proj + conv shift",
              "D norm + gate/up", "E SwiGLU + down")
-AR_HANDOFF_PHASES = ("A+B norm + in-proj, each head's recurrence handed off",) + AR_PHASES[2:]
 
 
-def ar_call(programs: int, timed: bool = False, handoff: bool = False):
-    """One AR token of the embedded shape with the greedy pick in the launch (`handoff`: each
-    head's recurrence inside phase A)."""
+def ar_call(programs: int, timed: bool = False):
+    """One AR token of the embedded shape with the greedy pick in the launch."""
     L, D, H, K, V, W, I, vocab = SHAPES["embedded"]
     dev = torch.device("cuda")
     step = PersistentDecodeStep(random_weights(L, D, H, K, V, W, I, vocab, torch.bfloat16, dev, False, 0),
-                                H, K, V, 1e-6, programs=programs, timed=timed, handoff=handoff)
+                                H, K, V, 1e-6, programs=programs, timed=timed)
     C = H * (2 * K + V)
     cache = torch.randn(L, 1, C, W, device=dev).to(torch.bfloat16)
     S = torch.randn(L, 1, H, K, V, device=dev) * 0.1
@@ -79,17 +77,15 @@ def draft_call(programs: int):
     return kernel, lambda: kernel(root, result, features, *window, *out)
 
 
-def ar_phases(programs: int, handoff: bool = False) -> dict:
+def ar_phases(programs: int) -> dict:
     """The AR step's µs per phase kind, summed over the layers (one timed call after warm-up)."""
-    step, call = ar_call(programs, timed=True, handoff=handoff)
+    step, call = ar_call(programs, timed=True)
     for _ in range(3):
         call()
     torch.cuda.synchronize()
     us, L = step.phase_us(), SHAPES["embedded"][0]
-    names = AR_HANDOFF_PHASES if step.handoff() else AR_PHASES
-    n = len(names)
-    split = {name: round(sum(us[n * layer + i] for layer in range(L)), 2) for i, name in enumerate(names)}
-    return {**split, "LM head": round(us[n * L], 2), "greedy pick": round(us[n * L + 1], 2),
+    split = {name: round(sum(us[5 * layer + i] for layer in range(L)), 2) for i, name in enumerate(AR_PHASES)}
+    return {**split, "LM head": round(us[5 * L], 2), "greedy pick": round(us[5 * L + 1], 2),
             "total": round(sum(us), 2)}
 
 
@@ -105,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
               "commit": os.environ.get("SPECLA_COMMIT"), "device": torch.cuda.get_device_name(), "sms": sms,
               "nodes": args.nodes, "us_per_call": {}}
     args.out.mkdir(parents=True, exist_ok=True)
-    makers = {"ar": ar_call, "ar handoff": lambda g: ar_call(g, handoff=True), "draft": draft_call,
+    makers = {"ar": ar_call, "draft": draft_call,
               "verify+accept": lambda g: make_call("embedded", args.nodes, g, 4, 256, 1, accept=True)}
     for programs in grids:
         row = {}
@@ -119,11 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         if all(isinstance(row[k], float) for k in makers):
             row["draft + verify"] = round(row["draft"] + row["verify+accept"], 2)
             row["step / AR"] = round(row["draft + verify"] / row["ar"], 3)
-        for key, handoff in (("ar phases (timed call)", False), ("ar handoff phases (timed call)", True)):
-            try:
-                row[key] = ar_phases(programs, handoff)
-            except Exception as err:  # noqa: BLE001
-                row[key] = f"{type(err).__name__}: {str(err)[:200]}"
+        try:
+            row["ar phases (timed call)"] = ar_phases(programs)
+        except Exception as err:  # noqa: BLE001
+            row["ar phases (timed call)"] = f"{type(err).__name__}: {str(err)[:200]}"
         result["us_per_call"][str(programs)] = row
         print(programs, json.dumps(row), flush=True)
         (args.out / "programs.json").write_text(json.dumps(result, indent=1))

@@ -26,8 +26,6 @@
 # drafter (a drafter kind trained alone: DRAFTER_KINDS, DRAFTER_MINUTES, DRAFTER_ARGS such as --init-from
 # assets/drafters/block; carry data/corpus/train.txt.gz and manifest.json),
 # drafter-speed (the block drafter in assets/ against OTHER_BLOCK on 20 held-out prompts),
-# head-handoff (the AR step with each head's recurrence inside phase A, the verification's recurrence units
-# waiting per head: GPU tests, speed),
 # target (a second training stage of the embedded target from assets/target; needs data/corpus). Needs the
 # pure-Python wheels in .whl/ (see benchmarks/README.md). Results land in $OUT/results
 # (default /tmp/specla-out/results); a stage's time limit is its T_<STAGE> variable.
@@ -130,16 +128,6 @@ for stage in "$@"; do
       timeout "${T_PRELOAD_TESTS:-200}" python3 -m pytest -q -p no:cacheprovider tests/test_l2_prefetch.py \
         tests/test_gpu_runtime.py -k "prefetch or per_op_verification_equals_ar" >> "$R/gpu_tests_preload.txt" 2>&1
       grep -E "passed|failed" "$R/gpu_tests_preload.txt" ;;
-    head-handoff) # issues #15: the persistent AR step with each head's recurrence run inside phase A by the
-      # program that completes its inputs (4 phases a layer), and the verification's recurrence units waiting
-      # for their own head's inputs instead of the grid: GPU tests of both against their references, then AR
-      # and the pair on held-out prompts without, with the AR handoff, and with both
-      timeout "${T_HANDOFF_TESTS:-150}" python3 -m pytest -v -p no:cacheprovider tests/test_decode_step.py \
-        tests/test_verify_step.py -k "decode_step_matches_reference or handoff_matches_reference" \
-        > "$R/gpu_tests_handoff.txt" 2>&1
-      tail -2 "$R/gpu_tests_handoff.txt"
-      pair_speed lc_handoff "${T_HANDOFF_SPEED:-360}" --ops fused,fused+handoff,fused+handoff+vhandoff
-      grep "^\[" "$R/log_lc_handoff.txt" ;;
     head) bench head "${T_HEAD:-300}" ${HEAD_ARGS:-} ;;
     head-kernels) timeout "${T_HEAD_KERNELS:-300}" python3 benchmarks/bench_lilicorr.py --out "$R" ${HEAD_KERNELS_ARGS:-} \
              2>&1 | tee "$R/log_bench_lilicorr.txt" ;;

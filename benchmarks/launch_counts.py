@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from kernels import carveout, l2_prefetch, pdl  # noqa: E402
 from kernels import triton_projection as projection, triton_recurrent_step as recurrent_step  # noqa: E402
-from kernels import triton_decode_step, triton_verify, triton_verify_step  # noqa: E402
+from kernels import triton_verify, triton_verify_step  # noqa: E402
 from specla.graphs import ops as graph_ops  # noqa: E402
 from specla.graphs import draft_step, whole_step  # noqa: E402
 from specla import runner  # noqa: E402
@@ -249,10 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                         "on tensor cores in three tf32 passes, not in fp32 FMAs (PARALLEL_DOT_PRECISION); +inN: "
                         "the persistent verification's input projection in units of N columns (IN_PROJ_BLOCK in "
                         "kernels/triton_verify_step.py), +folda / +foldb: it folds the deferred commit by phase A's idle "
-                        "programs or in phase B's units (FOLD_IN_A); +handoff / +nohandoff: the persistent AR step runs "
-                        "each head's recurrence inside phase A (HEAD_HANDOFF in kernels/triton_decode_step.py), +vhandoff / "
-                        "+novhandoff: the persistent verification's recurrence units wait for their own head's "
-                        "inputs, not the grid (HEAD_HANDOFF in kernels/triton_verify_step.py); +carveN: the persistent kernels prefer N%% of the "
+                        "programs or in phase B's units (FOLD_IN_A); +carveN: the persistent kernels prefer N%% of the "
                         "unified L1 / shared memory as shared memory, +carvedef: the driver's choice again "
                         "(kernels/carveout.py; a kernel keeps its split until another op set sets it)")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
@@ -283,7 +280,6 @@ def main(argv: list[str] | None = None) -> int:
     prefetch_state = graph_ops.L2_PREFETCH_IN_STATE_STEPS
     gram_first, dot_precision = triton_verify.PARALLEL_GRAM_FIRST, triton_verify.PARALLEL_DOT_PRECISION
     in_proj_block, fold_in_a = triton_verify_step.IN_PROJ_BLOCK, triton_verify_step.FOLD_IN_A
-    head_handoff, verify_handoff = triton_decode_step.HEAD_HANDOFF, triton_verify_step.HEAD_HANDOFF
     for name in args.ops.split(","):
         ops, *flags = name.split("+")
         pdl.use_pdl("nopdl" not in flags)
@@ -306,8 +302,6 @@ def main(argv: list[str] | None = None) -> int:
         triton_verify_step.IN_PROJ_BLOCK = next((int(f[2:]) for f in flags if f[:2] == "in" and f[2:].isdigit()),
                                                 in_proj_block)
         triton_verify_step.FOLD_IN_A = ("folda" in flags or fold_in_a) and "foldb" not in flags
-        triton_decode_step.HEAD_HANDOFF = ("handoff" in flags or head_handoff) and "nohandoff" not in flags
-        triton_verify_step.HEAD_HANDOFF = ("vhandoff" in flags or verify_handoff) and "novhandoff" not in flags
         l2_prefetch.use_l2_prefetch("nopf" not in flags)
         carveout.PREFERRED = next((-1 if f == "carvedef" else int(f[5:]) for f in flags
                                    if f == "carvedef" or (f[:5] == "carve" and f[5:].isdigit())), None)

@@ -23,9 +23,6 @@ over a 384-wide row) instead of waiting for one program to publish them:
     then       F  residual add + final RMSNorm + LM head (fp32 logits)
                G  (greedy) program 0: argmax, the next token, its slot in the output
 
-With `HEAD_HANDOFF`, B runs inside A: the program whose projection block completes a head's
-inputs runs that head's recurrence, so a layer has 4 phases.
-
 The arithmetic is `triton_projection`'s (its `_gemv_slice` is every projection here) and
 `triton_conv_gates`' (the AR step's conv, gates and state tile), so the logits equal the
 fused op set's AR forward's up to the order of fp32 sums. Every program must be resident at
@@ -45,15 +42,6 @@ from kernels import carveout
 from kernels.pdl import grid_arrive, grid_wait, phase_us, stamp
 from kernels.triton_projection import DEFAULT_SMS, _gemv_slice
 
-# Phase B run by phase A's programs: the program whose input-projection block completes a
-# head's q, k and v runs that head's recurrence at once (the last arrival on a per-head
-# counter), so no grid barrier separates the projection from the recurrence: 4 phases a
-# layer, not 5. The gates' a/b block serves every head, so it has its own counter: counted on
-# the heads' counters, its program would be the last arrival of many heads and run their
-# recurrences one after another. Needs the projection's column blocks to divide K and V;
-# otherwise the step keeps phase B.
-HEAD_HANDOFF = False
-
 @triton.jit
 def _projection_phase(src, w, y, N, K, eps, pid, programs, sync, dtype: tl.constexpr, PROLOGUE: tl.constexpr,
                       HAS_RES: tl.constexpr, SWISH: tl.constexpr, HEAD: tl.constexpr,
@@ -72,63 +60,6 @@ def _projection_phase(src, w, y, N, K, eps, pid, programs, sync, dtype: tl.const
         acc = _gemv_slice(src, w + cols[:, None] * K, c_mask, 0, K, 1, K, eps, blk == 0, dtype,
                           PROLOGUE, HAS_RES, SWISH, HEAD, 1, BN, BK, 2, VEC, first)
         tl.store(y + cols[None, :], acc.to(y.dtype.element_ty), mask=c_mask[None, :])
-    if pid >= blocks:
-        grid_wait(counter, arrivals, status)
-
-
-@triton.jit
-def _recurrence_unit(y_in, cache_l, conv_w_l, conv_b_l, neg_A_l, dt_bias_l, S_l, o_buf, unit, scale,
-                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr,
-                     BV: tl.constexpr, BW: tl.constexpr, HAS_BIAS: tl.constexpr, NEG_EIGVAL: tl.constexpr):
-    """Phase B's unit: head unit % H's conv, q, k and gates, then its state's V tile unit // H."""
-    h = unit % H
-    a = y_in + H * (2 * K + V) + H * V
-    q, k, decay, beta = _head_queries_and_gates(y_in, cache_l + 1, W, conv_w_l, conv_b_l, a, a + H, neg_A_l,
-                                                dt_bias_l, h, scale, H, K, W, BK, BW, HAS_BIAS, NEG_EIGVAL)
-    _state_tile_step(y_in, cache_l + 1, W, conv_w_l, conv_b_l, S_l, o_buf, q, k, decay, beta, h,
-                     (unit // H) * BV, H, K, V, W, BK, BV, BW, HAS_BIAS)
-
-
-@triton.jit
-def _in_proj_handoff_phase(src, w_in, y_in, N_IN, D, eps, pid, programs, sync, head_counts, ab_count, layer,
-                           cache_l, conv_w_l, conv_b_l, neg_A_l, dt_bias_l, S_l, o_buf, scale, dtype: tl.constexpr,
-                           SWISH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                           W: tl.constexpr, BN: tl.constexpr, BK_D: tl.constexpr, VEC: tl.constexpr,
-                           BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           NEG_EIGVAL: tl.constexpr):
-    """Phase A (the input projection, as `_projection_phase`) with phase B handed off inside
-    it. A head's own inputs are its q, k and v channel blocks: each block's program counts it
-    on the head's counter once its stores are out, and the program that makes the last count
-    runs the head's recurrence (every V tile), then re-arms the counter. The gates' a and b
-    columns, shared by all heads, are the first blocks dealt (every program projects its a/b
-    blocks before any head block, so the wait below cannot block an a/b block): they count on
-    `ab_count`, summed over the layers, which the recurrence waits for (usually already there)."""
-    counter, arrivals, status = sync
-    C: tl.constexpr = H * (2 * K + V)
-    AB_BLOCK: tl.constexpr = (C + H * V) // BN     # the first block of a and b (BN divides K and V)
-    NEEDED: tl.constexpr = (2 * K + V) // BN       # a head's q, k and v blocks
-    blocks = tl.cdiv(N_IN, BN)
-    ab_target = (layer + 1) * (blocks - AB_BLOCK)  # this layer's a/b blocks and every earlier layer's
-    for i in range(pid, blocks, programs):
-        blk = (i + AB_BLOCK) % blocks              # a and b first
-        col0 = blk * BN
-        cols = col0 + tl.arange(0, BN)
-        c_mask = cols < N_IN
-        first = (counter, tl.where(i == pid, arrivals, 0), status)
-        acc = _gemv_slice(src, w_in + cols[:, None] * D, c_mask, 0, D, 1, D, eps, blk == 0, dtype,
-                          0, True, SWISH, 1, 1, BN, BK_D, 2, VEC, first)
-        tl.store(y_in + cols[None, :], acc.to(y_in.dtype.element_ty), mask=c_mask[None, :])
-        if blk >= AB_BLOCK:
-            grid_arrive(ab_count)
-        elif col0 < C:
-            tl.debug_barrier()                     # every thread's stores out before the release
-            h = tl.where(col0 < 2 * H * K, (col0 % (H * K)) // K, (col0 - 2 * H * K) // V)
-            if tl.atomic_add(head_counts + h, 1, sem="acq_rel", scope="gpu") == NEEDED - 1:
-                grid_wait(ab_count, ab_target, status)     # the acquire, then a CTA barrier
-                for tile in range(0, V // BV):
-                    _recurrence_unit(y_in, cache_l, conv_w_l, conv_b_l, neg_A_l, dt_bias_l, S_l, o_buf,
-                                     h + tile * H, scale, H, K, V, W, BK, BV, BW, HAS_BIAS, NEG_EIGVAL)
-                tl.atomic_xchg(head_counts + h, 0, sem="relaxed", scope="gpu")
     if pid >= blocks:
         grid_wait(counter, arrivals, status)
 
@@ -157,14 +88,14 @@ def _greedy_token(logits, vocab, next_token, out, count, max_out, BLOCK: tl.cons
 def _decode_step_kernel(
         token, embed, zeros, attn_norm, w_in, conv_w, conv_b, neg_A, dt_bias, o_norm, w_o, mlp_norm, w_gu,
         w_down, final_norm, lm_head, cache, S, logits, next_token, out, count, max_out,
-        res_a, res_b, x_buf, y_in, o_buf, gu_buf, counter, status, head_counts, times, eps, scale,
+        res_a, res_b, x_buf, y_in, o_buf, gu_buf, counter, status, times, eps, scale,
         L: tl.constexpr, D: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
         W: tl.constexpr, I: tl.constexpr, VOCAB: tl.constexpr, HAS_BIAS: tl.constexpr,
         NEG_EIGVAL: tl.constexpr, SWISH: tl.constexpr, GREEDY: tl.constexpr,
         BN_IN: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr,
         BN_HEAD: tl.constexpr, BK_D: tl.constexpr, BK_O: tl.constexpr, BK_I: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr, VEC: tl.constexpr,
-        TIMED: tl.constexpr, HANDOFF: tl.constexpr):
+        TIMED: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     dtype = w_in.dtype.element_ty
@@ -182,29 +113,26 @@ def _decode_step_kernel(
             src = (x_embed, 0, zeros, 0, res_a, zeros, 0, attn_norm)
         else:
             src = (x_buf, 0, res_b, 0, res_a, zeros, 0, attn_norm + l * D)
-        cache_l = cache + l * C * W
-        if HANDOFF:     # B inside A: a head's recurrence runs once its inputs are out
-            _in_proj_handoff_phase(src, w_in + l * N_IN * D, y_in, N_IN, D, eps, pid, programs,
-                                   (counter, phase * programs, status), head_counts + l * H, head_counts + L * H, l,
-                                   cache_l,
-                                   conv_w + l * C * W, conv_b + l * C, neg_A + l * H, dt_bias + l * H,
-                                   S + l * H * K * V, o_buf, scale, dtype, SWISH, H, K, V, W, BN_IN, BK_D, VEC,
-                                   BK, BV, BW, HAS_BIAS, NEG_EIGVAL)
-        else:
-            _projection_phase(src, w_in + l * N_IN * D, y_in, N_IN, D, eps, pid, programs,
-                              (counter, phase * programs, status), dtype, 0, True, SWISH, 1, BN_IN, BK_D, VEC)
+        _projection_phase(src, w_in + l * N_IN * D, y_in, N_IN, D, eps, pid, programs,
+                          (counter, phase * programs, status), dtype, 0, True, SWISH, 1, BN_IN, BK_D, VEC)
         stamp(times, phase, pid, programs, TIMED)
         grid_arrive(counter)
         phase += 1
 
-        if not HANDOFF:   # B: the recurrence, one (head, V tile) a unit
-            grid_wait(counter, phase * programs, status)
-            for unit in range(pid, H * tl.cdiv(V, BV), programs):
-                _recurrence_unit(y_in, cache_l, conv_w + l * C * W, conv_b + l * C, neg_A + l * H, dt_bias + l * H,
-                                 S + l * H * K * V, o_buf, unit, scale, H, K, V, W, BK, BV, BW, HAS_BIAS, NEG_EIGVAL)
-            stamp(times, phase, pid, programs, TIMED)
-            grid_arrive(counter)
-            phase += 1
+        # B: the recurrence, one (head, V tile) a unit
+        grid_wait(counter, phase * programs, status)
+        cache_l = cache + l * C * W
+        a = y_in + C + H * V
+        for unit in range(pid, H * tl.cdiv(V, BV), programs):
+            h = unit % H
+            q, k, decay, beta = _head_queries_and_gates(
+                y_in, cache_l + 1, W, conv_w + l * C * W, conv_b + l * C, a + 0, a + H, neg_A + l * H,
+                dt_bias + l * H, h, scale, H, K, W, BK, BW, HAS_BIAS, NEG_EIGVAL)
+            _state_tile_step(y_in, cache_l + 1, W, conv_w + l * C * W, conv_b + l * C, S + l * H * K * V,
+                             o_buf, q, k, decay, beta, h, (unit // H) * BV, H, K, V, W, BK, BV, BW, HAS_BIAS)
+        stamp(times, phase, pid, programs, TIMED)
+        grid_arrive(counter)
+        phase += 1
 
         # C: gated norm + output projection; every conv window has been read: shift them
         src = (o_buf, 0, zeros, 0, zeros, y_in + C, 0, o_norm + l * V)
@@ -258,8 +186,6 @@ def _decode_step_kernel(
     last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if last == (phase + 1) * programs - 1:
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-        if HANDOFF:     # the a/b arrivals, summed over the layers
-            tl.atomic_xchg(head_counts + L * H, 0, sem="relaxed", scope="gpu")
 
 
 def _block_n(N: int, programs: int, block_k: int, elem: int) -> int:
@@ -298,8 +224,7 @@ class PersistentDecodeStep:
     their addresses). `programs` defaults to the device's SM count."""
 
     def __init__(self, weights: DecodeWeights, num_heads: int, head_dim: int, head_v_dim: int, eps: float,
-                 swish: bool = True, neg_eigval: bool = False, programs: int | None = None, timed: bool = False,
-                 handoff: bool | None = None):
+                 swish: bool = True, neg_eigval: bool = False, programs: int | None = None, timed: bool = False):
         wt, dev = weights, weights.w_in.device
         H, K, V = num_heads, head_dim, head_v_dim
         L, N_in, D, C, W, I = check_decode_weights(wt, H, K, V, "decode step")
@@ -307,7 +232,6 @@ class PersistentDecodeStep:
         self.weights, self.device, self.dtype = wt, dev, wt.w_in.dtype
         self.shape = dict(L=L, D=D, H=H, K=K, V=V, W=W, I=I, VOCAB=wt.lm_head.shape[0])
         self.eps, self.scale, self.swish, self.neg_eigval = eps, K ** -0.5, swish, neg_eigval
-        self.handoff_wanted = handoff      # None: HEAD_HANDOFF at each call
         f32 = dict(device=dev, dtype=torch.float32)
         self.zeros = torch.zeros(max(D, H * V, 2 * I), device=dev, dtype=self.dtype)
         self.res_a, self.res_b, self.x = (torch.zeros(D, device=dev, dtype=self.dtype) for _ in range(3))
@@ -315,8 +239,6 @@ class PersistentDecodeStep:
         self.o = torch.zeros(H * V, **f32)
         self.gate_up = torch.zeros(2 * I, device=dev, dtype=self.dtype)
         self.counter = torch.zeros(1, device=dev, dtype=torch.int32)
-        # HEAD_HANDOFF's counters, re-armed: each head's in each layer, then the a/b blocks'
-        self.head_counts = torch.zeros(L * H + 1, device=dev, dtype=torch.int32)
         self.status = torch.zeros(1, device=dev, dtype=torch.int32)
         # (benchmarks) when each program ends each phase: 5 a layer, the head, the greedy pick
         self.times = torch.zeros(5 * L + 2, self.programs, device=dev, dtype=torch.int64) if timed else None
@@ -348,24 +270,16 @@ class PersistentDecodeStep:
             wt.conv_b if wt.conv_b is not None else wt.conv_w, wt.neg_A, wt.dt_bias, wt.o_norm, wt.w_o,
             wt.mlp_norm, wt.w_gate_up, wt.w_down, wt.final_norm, wt.lm_head, cache, S, logits,
             next_token, out, count, out.numel(), self.res_a, self.res_b, self.x, self.y_in, self.o,
-            self.gate_up, self.counter, self.status, self.head_counts,
-            self.times if self.times is not None else self.counter,
+            self.gate_up, self.counter, self.status, self.times if self.times is not None else self.counter,
             self.eps, self.scale, **s, TIMED=self.times is not None,
             HAS_BIAS=wt.conv_b is not None, NEG_EIGVAL=self.neg_eigval, SWISH=self.swish,
-            GREEDY=greedy is not None, HANDOFF=self.handoff(), **self.blocks, num_warps=4)
+            GREEDY=greedy is not None, **self.blocks, num_warps=4)
         carveout.prefer(compiled)
-        self.phases = (4 if self.handoff() else 5) * s["L"] + (2 if greedy is not None else 1)
-
-    def handoff(self) -> bool:
-        """Whether phase A hands each head's recurrence off (`handoff`, else `HEAD_HANDOFF`),
-        which applies where the input projection's column blocks divide K and V."""
-        bn, s = self.blocks["BN_IN"], self.shape
-        wanted = HEAD_HANDOFF if self.handoff_wanted is None else self.handoff_wanted
-        return wanted and s["K"] % bn == 0 and s["V"] % bn == 0
+        self.phases = 5 * s["L"] + (2 if greedy is not None else 1)
 
     def phase_us(self) -> list[float]:
-        """(timed) Each phase's µs in the last call (`kernels.pdl.phase_us`): A-E of each layer
-        (A+B, C, D, E with the head handoff), the LM head, and (greedy) the pick."""
+        """(timed) Each phase's µs in the last call (`kernels.pdl.phase_us`): A-E of each layer,
+        the LM head, and (greedy) the pick."""
         return phase_us(self.times, self.phases)
 
     def failed(self) -> bool:

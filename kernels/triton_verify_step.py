@@ -70,13 +70,6 @@ IN_PROJ_BLOCK: int | None = None
 # layer waits on the fold's loads and store before its own: the embedded verification alone
 # 154 us against 161 (False: fold in phase B; benchmarks/results/h100/session37/)
 FOLD_IN_A = True
-# Phase B inside phase A: a (head, V tile) unit of the recurrence waits for its own head's
-# inputs (its q, k and v column blocks, counted per layer and head, and the a/b unit), not
-# for the grid, so a layer has 4 grid barriers, not 5. The unit runs on a program with no
-# input-projection unit where there is one (the one that folds that tile's deferred commit),
-# and folds before it waits. Needs the input projection's units to divide K and V; otherwise
-# the launch keeps phase B.
-HEAD_HANDOFF = False
 
 
 @triton.jit
@@ -146,19 +139,17 @@ def _in_proj_units(H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BN: tl.con
 @triton.jit
 def _in_proj_conv_phase(src, w_in, y_in, N_IN, M, D, eps, pid, programs, sync, window, index, conv_w, conv_b,
                         neg_A, dt_bias, q_raw, k_raw, v_s, g_f, beta_s, conv_in, features, feat_row, F,
-                        head_counts, ab_count, dtype: tl.constexpr, SWISH: tl.constexpr, DOT: tl.constexpr,
-                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, NEG_EIGVAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        BK: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, HANDOFF: tl.constexpr):
+                        dtype: tl.constexpr, SWISH: tl.constexpr, DOT: tl.constexpr, H: tl.constexpr,
+                        K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        NEG_EIGVAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        BD: tl.constexpr, BH: tl.constexpr):
     """Phase A: residual add + RMSNorm + the input projection, then each unit's share of the
     conv and gates over the chain, so they need no phase of their own. A unit is a BN-column
     block of the conv channels (its conv inputs go to `conv_in`, the factor a commit needs;
     conv and SiLU, per channel, into q_raw, k_raw or v_s: phase B takes q's and k's l2 norms,
     so a unit need not hold a whole head), a BN-column block of the output gate (into y_in for
     phase C), or a and b (g and beta per node and head). The first unit also writes
-    x + residual and (feat_row >= 0) copies it into features. With HANDOFF a conv unit, once
-    its stores are out, counts on its head's counter in `head_counts`, and the a/b unit on
-    `ab_count`: what phase B's units wait for."""
+    x + residual and (feat_row >= 0) copies it into features."""
     C: tl.constexpr = H * (2 * K + V)
     CONV_BLOCKS: tl.constexpr = C // BN
     AB_UNIT = _in_proj_units(H, K, V, BN) - 1      # the last unit: a and b
@@ -187,8 +178,6 @@ def _in_proj_conv_phase(src, w_in, y_in, N_IN, M, D, eps, pid, programs, sync, w
                 tl.store(k_raw + rows[:, None] * H * K + (cols - H * K)[None, :], x, mask=tile)
             else:
                 tl.store(v_s + rows[:, None] * H * V + (cols - 2 * H * K)[None, :], x, mask=tile)
-            if HANDOFF:     # blocks never straddle heads here (BN divides K and V)
-                grid_arrive(head_counts + tl.where(col0 < 2 * H * K, (col0 % (H * K)) // K, (col0 - 2 * H * K) // V))
         else:
             tl.store(y_in + rows[:, None] * N_IN + cols[None, :], acc.to(dtype), mask=tile)
             if unit == AB_UNIT:     # a and b: the log decay and beta of every node and head
@@ -199,8 +188,6 @@ def _in_proj_conv_phase(src, w_in, y_in, N_IN, M, D, eps, pid, programs, sync, w
                 out = r_mask[:, None] & (tl.arange(0, BH) < H)[None, :]
                 tl.store(g_f + rows[:, None] * H + heads, g, mask=out)
                 tl.store(beta_s + rows[:, None] * H + heads, beta, mask=out)
-                if HANDOFF:
-                    grid_arrive(ab_count)
         if unit == 0:
             if feat_row >= 0:   # this layer's input rows, written above by this program: a drafter's features
                 tl.debug_barrier()
@@ -238,7 +225,7 @@ def _chain_verify_kernel(
         w_gu, w_down, final_norm, lm_head, cache, S, pk, pd, pg, P, index, parents, feat_slot,
         logits, hidden, features, k_f, g_f, delta_f, conv_in_f,
         x_emb, res_a, res_b, x_buf, y_in, q_raw, k_raw, v_s, beta_s, o_buf, gu_buf, partials, block_counters, counter, status,
-        head_counts, times, N, eps, scale,
+        times, N, eps, scale,
         choice_s, prob_s, pos, step, out, out_len, acc, acc_len, last, result, log_tokens, log_parents,
         log_choice, log_prob, log_result, log_steps, log_nodes, cont, cont_len, div, gap,
         L: tl.constexpr, D: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -249,8 +236,7 @@ def _chain_verify_kernel(
         BK_IN: tl.constexpr, BH_IN: tl.constexpr, BW: tl.constexpr, PBK: tl.constexpr, PBV: tl.constexpr,
         SPLIT_O: tl.constexpr, SPLIT_DOWN: tl.constexpr, TIMED: tl.constexpr, ACCEPT: tl.constexpr,
         ORACLE: tl.constexpr, BVOC: tl.constexpr, BNODES: tl.constexpr, BP: tl.constexpr, BC: tl.constexpr,
-        BHK: tl.constexpr, BHV: tl.constexpr, BH: tl.constexpr, CHAIN: tl.constexpr, FOLD_IN_A: tl.constexpr,
-        HANDOFF: tl.constexpr, BLH: tl.constexpr):
+        BHK: tl.constexpr, BHV: tl.constexpr, BH: tl.constexpr, CHAIN: tl.constexpr, FOLD_IN_A: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     dtype = w_in.dtype.element_ty
@@ -281,38 +267,27 @@ def _chain_verify_kernel(
         _in_proj_conv_phase(src, w_in + l * N_IN * D, y_in, N_IN, N, D, eps, pid, programs,
                             (counter, phase * programs, status), cache + l * C * W, index, conv_w + l * C * W,
                             conv_b + l * C, neg_A + l * H, dt_bias + l * H, q_raw, k_raw, v_s,
-                            g_f + l * N * H, beta_s, conv_in_f + l * N * C, features, feat_row, F,
-                            head_counts + l * H, head_counts + L * H + l, dtype,
-                            SWISH, DOT, H, K, V, W, HAS_BIAS, NEG_EIGVAL, BM, BN_IN, BK_IN, BD, BH_IN, HANDOFF)
-        # the fold of (head, V tile) j runs on program (A_UNITS + j) % programs, which runs
-        # that tile's recurrence too under HANDOFF
-        if HAS_PENDING and (FOLD_IN_A or HANDOFF):
+                            g_f + l * N * H, beta_s, conv_in_f + l * N * C, features, feat_row, F, dtype,
+                            SWISH, DOT, H, K, V, W, HAS_BIAS, NEG_EIGVAL, BM, BN_IN, BK_IN, BD, BH_IN)
+        if HAS_PENDING and FOLD_IN_A:
             _fold_phase(S + l * H * K * V, pk + l * P * H * K, pd + l * P * H * V, pg + l * P * H, P, pid,
                         programs, A_UNITS, H, K, V, PBV)
         if pid >= A_UNITS:
             grid_wait(counter, phase * programs, status)
-        tiles = V // PBV
-        if HANDOFF:
-            first_unit = (pid + programs - A_UNITS % programs) % programs
-        else:
-            stamp(times, phase, pid, programs, TIMED)
-            grid_arrive(counter)
-            phase += 1
-            grid_wait(counter, phase * programs, status)
-            first_unit = pid
+        stamp(times, phase, pid, programs, TIMED)
+        grid_arrive(counter)
+        phase += 1
 
-        # B: (without FOLD_IN_A or HANDOFF) the deferred commit, and the recurrence over the chain,
-        # per (head, V tile), from the raw q and k rows (normed here; V tile 0 writes the normed
-        # keys, the commit's factors). HANDOFF: once the head's inputs and the gates are out
-        for unit in range(first_unit, H * tiles, programs):
-            if HANDOFF:
-                grid_wait(head_counts + l * H + unit // tiles, (2 * K + V) // BN_IN, status)
-                grid_wait(head_counts + L * H + l, 1, status)
+        # B: (without FOLD_IN_A) the deferred commit, and the recurrence over the chain, per (head,
+        # V tile), from the raw q and k rows (normed here; V tile 0 writes the normed keys, the
+        # commit's factors)
+        grid_wait(counter, phase * programs, status)
+        tiles = V // PBV
+        for unit in range(pid, H * tiles, programs):
             _parallel_tile(q_raw, k_raw, v_s, g_f + l * N * H, beta_s, parents, S + l * H * K * V,
                            o_buf, delta_f + l * N * H * V, H * K * V, K * V, V, 1,
                            pk + l * P * H * K, pd + l * P * H * V, pg + l * P * H, P, N,
-                           unit % tiles, unit // tiles, H, K, V, 16, PBK, PBV, CHAIN,
-                           HAS_PENDING and not (FOLD_IN_A or HANDOFF),
+                           unit % tiles, unit // tiles, H, K, V, 16, PBK, PBV, CHAIN, HAS_PENDING and not FOLD_IN_A,
                            "ieee",
                            False, False, True, scale, k_f + l * N * H * K)
         stamp(times, phase, pid, programs, TIMED)
@@ -378,14 +353,6 @@ def _chain_verify_kernel(
     last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if last == (phase + 1) * programs - 1:
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-        if HANDOFF:     # re-arm the heads' and the a/b counters; a count other than a unit's waits' is a failure
-            o_c = tl.arange(0, BLH)
-            live = o_c < L * H + L
-            seen = tl.atomic_xchg(head_counts + o_c, tl.zeros([BLH], dtype=tl.int32), mask=live, sem="relaxed",
-                                  scope="gpu")
-            wanted = tl.where(o_c < L * H, (2 * K + V) // BN_IN, 1)
-            if tl.sum((live & (seen != wanted)).to(tl.int32), axis=0) > 0:
-                tl.store(status, 2)
 
 
 def in_proj_block(H: int, K: int, V: int) -> int | None:
@@ -423,7 +390,7 @@ class PersistentChainVerify:
     def __init__(self, weights: DecodeWeights, num_heads: int, head_dim: int, head_v_dim: int, eps: float,
                  nodes: int, feature_layers: tuple[int, ...] = (), swish: bool = True, neg_eigval: bool = False,
                  programs: int | None = None, num_warps: int = 4, block_k: int = 256, num_stages: int = 1,
-                 timed: bool = False, blocks: dict[str, int] | None = None, handoff: bool | None = None):
+                 timed: bool = False, blocks: dict[str, int] | None = None):
         wt, dev = weights, weights.w_in.device
         H, K, V = num_heads, head_dim, head_v_dim
         L, N_in, D, C, W, I = check_decode_weights(wt, H, K, V, "chain verify")
@@ -454,9 +421,6 @@ class PersistentChainVerify:
         self.feat_slot = torch.tensor(slots, dtype=torch.int32, device=dev)
         self.counter = torch.zeros(1, device=dev, dtype=torch.int32)
         self.status = torch.zeros(1, device=dev, dtype=torch.int32)
-        # HEAD_HANDOFF's counters, re-armed by each launch: each head's in each layer, then each layer's a/b
-        self.head_counts = torch.zeros(L * H + L, device=dev, dtype=torch.int32)
-        self.handoff_wanted = handoff      # None: HEAD_HANDOFF at each call
         # the [16, BK] fp32 prologue block of the dot form stays at <= 32 registers a thread
         bk = lambda k, head=1: max(head, 16, min(triton.next_power_of_2(k), block_k))  # noqa: E731
         bn = lambda cols, split=1: _dot_block_n(cols * split, self.programs)  # noqa: E731
@@ -537,8 +501,7 @@ class PersistentChainVerify:
             accept.check(n, pk.shape[2])
         tiles = accept_tiles(n, pk.shape[2], H, K, V, s["VOCAB"])
         accept_args = accept.args() if accept is not None else ChainAccept.unused(self.counter)
-        handoff = self.handoff()
-        self.phases = (4 if handoff else 5) * L + 2 + (2 if accept is not None else 0)
+        self.phases = 5 * L + 2 + (2 if accept is not None else 0)
         wt = self.weights
         compiled = _chain_verify_kernel[(self.programs,)](
             tokens, root, wt.embed, self.zeros, wt.attn_norm, wt.w_in, wt.conv_w,
@@ -547,27 +510,18 @@ class PersistentChainVerify:
             pk.shape[2] if pending is not None else 0, index, parents, self.feat_slot,
             logits, hidden, features if features is not None else hidden, k_f, g_f, delta_f, conv_in_f,
             self.x_emb, self.res_a, self.res_b, self.x, self.y_in, self.q, self.k, self.v, self.beta, self.o,
-            self.gate_up, self.partials, self.block_counters, self.counter, self.status, self.head_counts,
+            self.gate_up, self.partials, self.block_counters, self.counter, self.status,
             self.times if self.times is not None else self.counter,
             n, self.eps, self.scale, *accept_args, **s, HAS_BIAS=wt.conv_b is not None, NEG_EIGVAL=self.neg_eigval,
             SWISH=self.swish, HAS_PENDING=pending is not None, FOLD_IN_A=FOLD_IN_A, DOT=self.dot, **self.blocks,
             TIMED=self.times is not None, ACCEPT=accept is not None,
-            ORACLE=accept is not None and accept.oracle is not None, **tiles, CHAIN=tree is None, HANDOFF=handoff,
-            BLH=triton.next_power_of_2(L * H + L), **self.launch)
+            ORACLE=accept is not None and accept.oracle is not None, **tiles, CHAIN=tree is None, **self.launch)
         carveout.prefer(compiled)
-
-    def handoff(self) -> bool:
-        """Whether phase B's units wait for their own head's inputs, not the grid (`handoff`,
-        else `HEAD_HANDOFF`), which applies where the input projection's units divide K and V."""
-        bn, s = self.blocks["BN_IN"], self.shape
-        wanted = HEAD_HANDOFF if self.handoff_wanted is None else self.handoff_wanted
-        return wanted and s["K"] % bn == 0 and s["V"] % bn == 0
 
     def phase_us(self) -> list[float]:
         """(timed) Each phase's µs in the last call (`kernels.pdl.phase_us`)."""
         return phase_us(self.times, self.phases)
 
     def failed(self) -> bool:
-        """Whether a barrier gave up waiting, or (HEAD_HANDOFF) a head's count was off, since
-        this step was made (reads the device)."""
+        """Whether a barrier gave up waiting since this step was made (reads the device)."""
         return bool(self.status.item())

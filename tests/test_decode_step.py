@@ -37,28 +37,19 @@ def random_weights(L: int, D: int, H: int, K: int, V: int, W: int, I: int, vocab
 
 def check_decode_step(L: int, D: int, H: int, K: int, V: int, W: int, I: int, vocab: int, dtype, device,
                       bias: bool = False, neg_eigval: bool = False, programs: int | None = None,
-                      steps: int = 3, seed: int = 0, handoff: bool = False) -> list[str]:
+                      steps: int = 3, seed: int = 0) -> list[str]:
     """`steps` greedy tokens through the kernel and the reference from one random state; the
     kernel's own state, cache and next token carry over, so a stale read or a missed barrier
-    shows in the later tokens. `handoff`: each head's recurrence inside phase A
-    (`HEAD_HANDOFF`), with input-projection blocks of min(K, V, 16) columns so that it applies."""
+    shows in the later tokens."""
     from kernels.triton_decode_step import PersistentDecodeStep
     wt = random_weights(L, D, H, K, V, W, I, vocab, dtype, device, bias, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     C = H * (2 * K + V)
     cache = torch.randn(L, 1, C, W, generator=gen).to(device=device, dtype=dtype)
     S = (torch.randn(L, 1, H, K, V, generator=gen) * 0.1).to(device)
-    step = PersistentDecodeStep(wt, H, K, V, 1e-6, neg_eigval=neg_eigval, programs=programs, handoff=handoff)
-    if handoff:
-        step.blocks["BN_IN"] = min(K, V, 16)
-    if step.handoff() != handoff:
-        return [f"the head handoff is {'off' if handoff else 'on'}"]
-    return _decode_tokens(step, wt, cache, S, K, V, vocab, dtype, device, neg_eigval, steps)
-
-
-def _decode_tokens(step, wt, cache, S, K, V, vocab, dtype, device, neg_eigval, steps) -> list[str]:
     S_ref, cache_ref = S.cpu().clone(), cache.cpu().clone()
     wt_cpu = reference.DecodeWeights(**{k: None if v is None else v.cpu() for k, v in vars(wt).items()})
+    step = PersistentDecodeStep(wt, H, K, V, 1e-6, neg_eigval=neg_eigval, programs=programs)
     token = torch.tensor([[3]], device=device)
     out = torch.full((8,), -1, device=device)
     count = torch.zeros(1, dtype=torch.long, device=device)
@@ -84,8 +75,6 @@ def _decode_tokens(step, wt, cache, S, K, V, vocab, dtype, device, neg_eigval, s
         problems.append(f"count {int(count)} after {steps} steps")
     if step.failed():
         problems.append("a barrier gave up waiting")
-    if step.head_counts.any():
-        problems.append("a head counter was left armed")
     return problems
 
 
@@ -100,11 +89,9 @@ SHAPES = {   # L, D, H, K, V, W, I, vocab
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("programs", [None, 7])
-@pytest.mark.parametrize("handoff", [False, True], ids=["phase-b", "head-handoff"])
-def test_decode_step_matches_reference(shape, dtype, programs, handoff):
-    """`head-handoff`: each head's recurrence run by the program that completes its inputs in A."""
+def test_decode_step_matches_reference(shape, dtype, programs):
     assert not check_decode_step(*SHAPES[shape], dtype, "cuda", bias=shape == "tiny",
-                                 neg_eigval=shape == "wide-heads", programs=programs, steps=4, handoff=handoff)
+                                 neg_eigval=shape == "wide-heads", programs=programs, steps=4)
 
 
 def test_decode_step_rejects_bad_shapes():
@@ -130,9 +117,8 @@ def run_interpreted(script: str) -> str:
 
 def test_decode_step_interpreter():
     """One program through Triton's CPU interpreter: the phases' arithmetic and the barriers'
-    bookkeeping (the counter re-armed after each launch), with phase B and with each head's
-    recurrence handed off inside phase A."""
-    assert run_interpreted(__file__).count("ok ") == 5
+    bookkeeping (the counter re-armed after each launch)."""
+    assert run_interpreted(__file__).count("ok ") == 3
 
 
 def check_packed_target(dtype) -> list[str]:
@@ -157,13 +143,11 @@ if __name__ == "__main__":
     if sys.argv[1:] != ["--interpreter"] or os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit(f"usage: TRITON_INTERPRET=1 python {sys.argv[0]} --interpreter")
     failed = 0
-    for handoff in (False, True):
-        for dtype in (torch.float32, torch.bfloat16):
-            problems = check_decode_step(*SHAPES["tiny"], dtype, "cpu", bias=dtype == torch.float32,
-                                         neg_eigval=dtype == torch.bfloat16, programs=1, handoff=handoff)
-            print(("FAIL " if problems else "ok ") + ("head handoff " if handoff else "") + str(dtype) + " "
-                  + "; ".join(problems))
-            failed += bool(problems)
+    for dtype in (torch.float32, torch.bfloat16):
+        problems = check_decode_step(*SHAPES["tiny"], dtype, "cpu", bias=dtype == torch.float32,
+                                     neg_eigval=dtype == torch.bfloat16, programs=1)
+        print(("FAIL " if problems else "ok ") + str(dtype) + " " + "; ".join(problems))
+        failed += bool(problems)
     problems = check_packed_target(torch.float32)
     print(("FAIL " if problems else "ok ") + "packed target " + "; ".join(problems))
     failed += bool(problems)
