@@ -26,6 +26,7 @@
 # drafter (a drafter kind trained alone: DRAFTER_KINDS, DRAFTER_MINUTES, DRAFTER_ARGS such as --init-from
 # assets/drafters/block; carry data/corpus/train.txt.gz and manifest.json),
 # drafter-speed (the block drafter in assets/ against OTHER_BLOCK on 20 held-out prompts),
+# phase-floor (benchmarks/phase_floor.cu: a dependent phase joined by a grid barrier or a cluster's),
 # target (a second training stage of the embedded target from assets/target; needs data/corpus). Needs the
 # pure-Python wheels in .whl/ (see benchmarks/README.md). Results land in $OUT/results
 # (default /tmp/specla-out/results); a stage's time limit is its T_<STAGE> variable.
@@ -128,6 +129,12 @@ for stage in "$@"; do
       timeout "${T_PRELOAD_TESTS:-200}" python3 -m pytest -q -p no:cacheprovider tests/test_l2_prefetch.py \
         tests/test_gpu_runtime.py -k "prefetch or per_op_verification_equals_ar" >> "$R/gpu_tests_preload.txt" 2>&1
       grep -E "passed|failed" "$R/gpu_tests_preload.txt" ;;
+    phase-floor) # issue #15: what one dependent phase costs, joined by a grid barrier through L2 (the Triton
+      # persistent kernels' way) or by a thread-block cluster's barrier, through L2 or distributed shared memory
+      nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -o /tmp/phase_floor benchmarks/phase_floor.cu || exit 1
+      for rows in 0 1024; do
+        timeout "${T_PHASE_FLOOR:-60}" /tmp/phase_floor --rows $rows | tee "$R/phase_floor_rows$rows.json"
+      done ;;
     head) bench head "${T_HEAD:-300}" ${HEAD_ARGS:-} ;;
     head-kernels) timeout "${T_HEAD_KERNELS:-300}" python3 benchmarks/bench_lilicorr.py --out "$R" ${HEAD_KERNELS_ARGS:-} \
              2>&1 | tee "$R/log_bench_lilicorr.txt" ;;
