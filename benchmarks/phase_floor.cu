@@ -176,20 +176,29 @@ float time_launches(Launch launch, unsigned* counter, int phases, int repeats) {
   return us[us.size() / 2];
 }
 
+// A launch of one cluster of C blocks (not copyable: cfg points at attr).
+struct ClusterLaunch {
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr = {};
+  explicit ClusterLaunch(int C) {
+    cfg.gridDim = dim3(C);
+    cfg.blockDim = dim3(THREADS);
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = C;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+  }
+  ClusterLaunch(const ClusterLaunch&) = delete;
+  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
+};
+
 template <typename Kernel>
 bool cluster_fits(Kernel kernel, int C) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(C);
-  cfg.blockDim = dim3(THREADS);
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = C;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
+  ClusterLaunch launch(C);
   int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &launch.cfg) != cudaSuccess) {
     cudaGetLastError();
     return false;
   }
@@ -198,17 +207,8 @@ bool cluster_fits(Kernel kernel, int C) {
 
 template <typename Kernel>
 void launch_cluster(Kernel kernel, int C, const Args& a) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(C);
-  cfg.blockDim = dim3(THREADS);
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = C;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
+  ClusterLaunch launch(C);
+  CHECK(cudaLaunchKernelEx(&launch.cfg, kernel, a));
 }
 
 int main(int argc, char** argv) {
