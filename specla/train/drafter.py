@@ -600,6 +600,12 @@ def train_drafters(live, chunks: list[Chunk], kinds: list[str], out: Path, hp: H
     # the wall time of training (the live target's forward and every kind's step, run
     # together); a step's host time alone misses the GPU work it queues
     base_seconds = {t.kind: t.seconds for t in trainers}
+
+    def clock_seconds() -> None:
+        now = time.time()
+        for t in trainers:
+            t.seconds = base_seconds[t.kind] + now - t0
+
     step = 0
     bar = tqdm(total=max_steps or int(seconds), desc="train " + ",".join(kinds), mininterval=5,
                unit="step" if max_steps else "s")
@@ -625,18 +631,17 @@ def train_drafters(live, chunks: list[Chunk], kinds: list[str], out: Path, hp: H
         if step % 50 == 0:
             bar.set_postfix({t.kind: f"{float(t._running['loss']):.3f}" for t in trainers})
         if time.time() - last_save > hp.save_every:
-            now = time.time()
+            clock_seconds()
             for t in trainers:
-                t.seconds = base_seconds[t.kind] + now - t0
                 t.save()
                 log(f"[drafter-train] {elapsed:6.0f}s step {step:6d} {t.kind:8s} " + " ".join(
                     f"{k}={v:.3f}" for k, v in t.running.items()
                     if k in ("loss", "slot_acc", "top1_prefix", "selected_prefix", "oracle_prefix", "acc1", "acc3")))
             last_save = time.time()
     bar.close()
-    summary, now = {}, time.time()
+    summary = {}
+    clock_seconds()
     for t in trainers:
-        t.seconds = base_seconds[t.kind] + now - t0
         metrics = t.evaluate(eval_batches) if eval_batches else {}
         t.save({"eval": {k: round(v, 4) for k, v in metrics.items()}})
         summary[t.kind] = {"params": param_count(t.net), "steps": t.step_count, "resumed": resumed[t.kind],
