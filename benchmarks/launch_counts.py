@@ -36,7 +36,7 @@ from kernels import carveout, l2_prefetch, pdl  # noqa: E402
 from kernels import triton_projection as projection, triton_recurrent_step as recurrent_step  # noqa: E402
 from kernels import triton_verify, triton_verify_step  # noqa: E402
 from specla.graphs import ops as graph_ops  # noqa: E402
-from specla.graphs import decoders, draft_step, whole_step  # noqa: E402
+from specla.graphs import draft_step, whole_step  # noqa: E402
 from specla import runner  # noqa: E402
 from specla.acceptance import read_prompts  # noqa: E402
 from specla.bench.measure import decode_bytes  # noqa: E402
@@ -117,12 +117,11 @@ def count_bodies(runtime, ops: str, args) -> tuple[dict, Engine]:
 
 def step_loop(spec, steps: int = 48, repeats: int = 5) -> dict:
     """µs a step of `steps` speculative steps replayed back to back: the verify graph alone,
-    the draft graph alone, both per step, both with a CUDA event after each phase (as the
-    decoder marks them where a draft does not time itself), the whole step captured as one
-    graph, the same with an event after each step (as the decoder runs a self-timed draft),
-    and the verify graph followed by a read of 0, 4 or 16 MB elsewhere. Medians of `repeats`;
-    every run starts from the same state."""
-    from specla.graphs.spec import PHASES, enqueue_phases, enqueue_steps
+    the draft graph alone, both per step (as one decode runs them), both with a CUDA event
+    after each phase (as the decoder marks them for its time split), the whole step captured
+    as one graph, and the verify graph followed by a read of 0, 4 or 16 MB elsewhere. Medians
+    of `repeats`; every run starts from the same state."""
+    from specla.graphs.spec import PHASES, enqueue_phases
     from specla.graphs.runtime import PhaseClock
 
     if "step" not in spec.graphs:
@@ -141,7 +140,6 @@ def step_loop(spec, steps: int = 48, repeats: int = 5) -> dict:
             out[name] = _median_us(lambda: [body() for _ in range(steps)], spec, steps, repeats)
         clock = PhaseClock(spec.rt.device)
         out["phases_marked"] = _median_us(lambda: enqueue_phases(spec, steps, clock), spec, steps, repeats)
-        out["step_graph_marked"] = _median_us(lambda: enqueue_steps(spec, steps, clock), spec, steps, repeats)
     return out
 
 
@@ -253,9 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                         "kernels/triton_verify_step.py), +folda / +foldb: it folds the deferred commit by phase A's idle "
                         "programs or in phase B's units (FOLD_IN_A); +carveN: the persistent kernels prefer N%% of the "
                         "unified L1 / shared memory as shared memory, +carvedef: the driver's choice again "
-                        "(kernels/carveout.py; a kernel keeps its split until another op set sets it); +phaseevents: a "
-                        "self-timed draft's decode replays a graph and a CUDA event per phase, not one graph and "
-                        "one event a step (ONE_GRAPH_A_STEP in specla/graphs/decoders.py)")
+                        "(kernels/carveout.py; a kernel keeps its split until another op set sets it)")
     p.add_argument("--speed-prompts", type=Path, help="also time AR and speculation per op set on these prompts")
     p.add_argument("--speed-limit", type=int, default=8)
     p.add_argument("--tokens", type=int, default=128)
@@ -310,7 +306,6 @@ def main(argv: list[str] | None = None) -> int:
         carveout.PREFERRED = next((-1 if f == "carvedef" else int(f[5:]) for f in flags
                                    if f == "carvedef" or (f[:5] == "carve" and f[5:].isdigit())), None)
         graph_ops.L2_PREFETCH_IN_STATE_STEPS = ("pfrec" in flags or prefetch_state) and "pfnorec" not in flags
-        decoders.ONE_GRAPH_A_STEP = "phaseevents" not in flags
         l2_prefetch.AT = "start" if "pfstart" in flags else prefetch_at
         l2_prefetch.MAX_BYTES = next((int(f[5:]) << 20 for f in flags if f.startswith("pfcap")), prefetch_max)
         l2_prefetch.MAX_BYTES_ROWS = next((int(f[6:]) << 20 for f in flags if f.startswith("pfrows")),
@@ -337,7 +332,6 @@ def main(argv: list[str] | None = None) -> int:
             l2_prefetch.use_l2_prefetch(True)
             carveout.PREFERRED = None
             graph_ops.L2_PREFETCH_IN_STATE_STEPS = prefetch_state
-            decoders.ONE_GRAPH_A_STEP = True
             l2_prefetch.AT, l2_prefetch.MAX_BYTES = prefetch_at, prefetch_max
             l2_prefetch.MAX_BYTES_ROWS = prefetch_max_rows
             triton_verify.PARALLEL_GRAM_FIRST, triton_verify.PARALLEL_DOT_PRECISION = gram_first, dot_precision

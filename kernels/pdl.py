@@ -84,16 +84,12 @@ def grid_wait(counter, target, status):
 
 
 @triton.jit
-def global_ns():
-    """The GPU's global timer in ns (one clock for every SM; compiled Triton only)."""
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-
-
-@triton.jit
 def stamp(times, phase, pid, programs, TIMED: tl.constexpr):
     """(TIMED, benchmarks only) this program's end of `phase` in ns of the GPU's global timer."""
     if TIMED:
-        tl.store(times + phase * programs + pid, global_ns())
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                        pack=1)
+        tl.store(times + phase * programs + pid, now)
 
 
 def phase_us(times: torch.Tensor, phases: int) -> list[float]:

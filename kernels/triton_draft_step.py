@@ -35,7 +35,6 @@ differ by the order of fp32 sums only. The block's rows and the path's rows are 
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import NamedTuple
 
 import torch
@@ -43,7 +42,7 @@ import triton
 import triton.language as tl
 
 from kernels import carveout
-from kernels.pdl import global_ns, grid_arrive, grid_wait
+from kernels.pdl import grid_arrive, grid_wait
 from kernels.triton_decode_step import resident_programs
 from kernels.triton_lilicorr import _slot_topk
 from kernels.triton_projection import _dot, _dot_mode
@@ -386,19 +385,15 @@ def _block_draft_kernel(
         ctx, valid, kv, ctx_next, valid_next, kv_next, fc_out, x_a, x_b, qkv, part_o, part_d, y_buf,
         h_out, logits, cand, cand_logp, counter, status, slots, VOCAB, eps, target_eps, scale,
         chain, n_chain, flat, step, log_cand, log_cand_logp, log_draft_logp, log_steps, log_nodes, logp_scale,
-        clock, D: tl.constexpr, FD: tl.constexpr, WD: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr,
+        D: tl.constexpr, FD: tl.constexpr, WD: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr,
         LD: tl.constexpr, MH: tl.constexpr, W: tl.constexpr, B: tl.constexpr, TOPK: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr,
         BH: tl.constexpr, BN_HEAD: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, CHAIN: tl.constexpr,
-        BK_TOP: tl.constexpr, BNODES: tl.constexpr, CLOCK: tl.constexpr):
+        BK_TOP: tl.constexpr, BNODES: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     dtype = fc.dtype.element_ty
     MLP_UNITS: tl.constexpr = MH // BH
-    if CLOCK:   # this draft's start and end into the row of the step that ran before it
-        clock_row = tl.minimum(tl.load(step), log_steps) - 1
-        if (pid == 0) & (clock_row >= 0):
-            tl.store(clock + 2 * clock_row, global_ns())
 
     # 0: fc over the accepted path's features; the block input. Reads only the last launch's.
     for unit in range(pid, 2 * (WD // BN), programs):
@@ -493,10 +488,6 @@ def _block_draft_kernel(
     last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if last == (phase + 1) * programs - 1:
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-        if CLOCK:   # (the row read again: kept live through the draft, it cost registers)
-            end_row = tl.minimum(tl.load(step), log_steps) - 1
-            if end_row >= 0:
-                tl.store(clock + 2 * end_row + 1, global_ns())
 
 
 def unsupported(widths: dict[str, int]) -> str | None:
@@ -529,10 +520,7 @@ class ChainOut(NamedTuple):
     """Where a greedy chain or a fixed tree goes: tokens [drafted + 1] (node 0, the root,
     not written; node j + 1 is candidate flat[j] of the [slots, k] top-k table, int64), and
     the step log's row `step` (clamped to the last): cand / cand_logp [steps, slots, k] and
-    draft_logp [steps, nodes] (the nodes' log-probs times logp_scale, 0 past the draft).
-    `clock` [steps, 2] int64 (compiled Triton only) takes the draft's start and end in ns of
-    the GPU's global timer, in row `step` - 1: the step whose verification ran before this
-    draft (a first draft, at step 0, writes none)."""
+    draft_logp [steps, nodes] (the nodes' log-probs times logp_scale, 0 past the draft)."""
     tokens: torch.Tensor
     flat: torch.Tensor
     step: torch.Tensor
@@ -540,7 +528,6 @@ class ChainOut(NamedTuple):
     cand_logp: torch.Tensor
     draft_logp: torch.Tensor
     logp_scale: float = 1.0
-    clock: torch.Tensor | None = None
 
     @staticmethod
     def chain_map(drafted: int, top_k: int, device) -> torch.Tensor:
@@ -626,7 +613,6 @@ class PersistentBlockDraft:
         elif tuple(features.shape[1:]) != (w["F"], w["D"]) or not features.is_contiguous():
             raise ValueError(f"block draft: features must be contiguous [nodes, {w['F']}, {w['D']}]")
         chain_args = self._chain_args(chain, cand)
-        clock = self._clock(chain)
         wt, b = self.weights, self.blocks
         compiled = _block_draft_kernel[(self.programs,)](
             root, result, P, features, wt.fc, wt.ctx_norm, wt.in_proj, wt.mask_emb, wt.attn_norm, wt.w_qkv,
@@ -634,13 +620,12 @@ class PersistentBlockDraft:
             wt.final_norm, wt.lm_head, self.rope_cos, self.rope_sin, ctx, valid.view(torch.uint8), kv,
             self.ctx_next, self.valid_next, self.kv_next, self.fc_out, self.x_a, self.x_b, self.qkv, self.part_o,
             self.part_d, self.y, h, logits, cand, cand_logp, self.counter, self.status, S, self.vocab,
-            self.eps, self.target_eps, w["HD"] ** -0.5, *chain_args, clock if clock is not None else cand,
+            self.eps, self.target_eps, w["HD"] ** -0.5, *chain_args,
             D=w["D"], FD=w["F"] * w["D"], WD=w["WD"], NH=w["NH"], HD=w["HD"], LD=w["LD"], MH=w["MH"], W=w["W"],
             B=w["B"], TOPK=k, BM=MAX_ROWS, BN=b["BN"], BK=b["BK"], BD=triton.next_power_of_2(w["D"]),
             BW=max(16, triton.next_power_of_2(w["W"])), BH=b["BH"], BN_HEAD=b["BN_HEAD"],
             BV=triton.next_power_of_2(self.vocab), DOT=self.dot, CHAIN=chain is not None,
-            BK_TOP=triton.next_power_of_2(k), BNODES=triton.next_power_of_2(chain_args[-2]),
-            CLOCK=clock is not None, num_warps=self.num_warps)
+            BK_TOP=triton.next_power_of_2(k), BNODES=triton.next_power_of_2(chain_args[-2]), num_warps=self.num_warps)
         carveout.prefer(compiled)
 
     def _chain_args(self, chain: ChainOut | None, cand: torch.Tensor) -> tuple:
@@ -661,18 +646,6 @@ class PersistentBlockDraft:
                 raise ValueError("block draft: the chain's buffers must be contiguous on the kernel's device")
         return (chain.tokens, drafted, chain.flat, chain.step, chain.cand, chain.cand_logp, chain.draft_logp, steps,
                 nodes, chain.logp_scale)
-
-    def _clock(self, chain: ChainOut | None) -> torch.Tensor | None:
-        """The chain's clock rows, checked (None: the draft writes no times)."""
-        if chain is None or chain.clock is None:
-            return None
-        clock, steps = chain.clock, chain.draft_logp.shape[0]
-        if (tuple(clock.shape) != (steps, 2) or clock.dtype != torch.long or not clock.is_contiguous()
-                or clock.device != self.device):
-            raise ValueError(f"block draft: the clock must be contiguous int64 [{steps}, 2] on the kernel's device")
-        if os.environ.get("TRITON_INTERPRET") == "1":
-            raise ValueError("block draft: the clock reads the GPU's global timer, which the interpreter lacks")
-        return clock
 
     def failed(self) -> bool:
         """Whether a barrier gave up waiting since this draft was made (reads the device)."""

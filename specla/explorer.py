@@ -380,8 +380,7 @@ class Explorer:
             how = (f"  \n*Engine: CUDA graphs ({html.escape(ops)}, {e.get('dtype')}), drafting "
                    f"on the {'device' if e.get('drafting') == 'device' else 'host'}{html.escape(drafts)}, acceptance on the "
                    f"{e.get('acceptance')}; {e.get('graphs', 0)} graphs, set-up {e.get('capture_ms', 0) / 1e3:.1f} s "
-                   "(capture and compile, not timed). Step times are CUDA events; a self-timed draft kernel's "
-                   "share is its own time on the GPU's clock.*")
+                   "(capture and compile, not timed). Step times are CUDA events.*")
         else:
             how = ("  \n*Engine: eager PyTorch" + (" on the CPU: plain-torch reference recurrences, no fused kernels "
                    "or CUDA graphs; speedups here show the mechanics" if m.get("device") == "cpu" else "") + ".*")

@@ -346,19 +346,6 @@ def test_divergence_is_located_and_measured():
         assert d["logit_gap"] > 0 and d["top2_gap"] >= 0
 
 
-def test_clocked_step_times_split_each_gap_and_keep_its_sum():
-    """A whole step's event gap splits into the next draft (its own clock rows, GPU ns) and
-    the verification (the rest, launch gaps included); a draft clocked longer than its gap is
-    cut to it, and a row the kernel did not write gives the draft nothing."""
-    from specla.graphs.spec import clocked_step_times
-    gaps = [0.25, 0.20, 0.05, 0.30]
-    rows = [[1_000, 51_000], [7_000, 87_000], [0, 90_000], [0, 0]]
-    times = clocked_step_times(gaps, rows)
-    assert [t[2] for t in times] == pytest.approx([0.05, 0.08, 0.05, 0.0])
-    assert [sum(t) for t in times] == pytest.approx(gaps)
-    assert all(t[1] == 0.0 and t[0] >= 0 for t in times)
-
-
 def test_phase_split_covers_the_three_phases():
     target, drafter = pair("lilicorr")
     rt = PackedTarget(target)
@@ -397,10 +384,8 @@ def graphed_and_eager(rt, drafter, settings, prompt, n, want, noise=0.0, preset=
     for graphed in (True, False):
         dec = GraphedDecoder(rt, DeviceBlockDrafter(drafter, settings, preset=preset), settings, capacity=n + 16,
                              use_graph=graphed)
-        # a chain verified in one launch accepts in it too: its acceptance has nothing to capture;
-        # a draft that times itself runs in a one-step graph too
-        phases = ({"verify", "draft"} | (set() if dec.spec.kernel_accept else {"accept"})
-                  | ({"step"} if dec.drafter.clocks_drafts else set()))
+        # a chain verified in one launch accepts in it too: its acceptance has nothing to capture
+        phases = {"verify", "draft"} | (set() if dec.spec.kernel_accept else {"accept"})
         assert preset is None or dec.spec.kernel_accept, dec.spec.verify_note
         assert (dec.first_graph is not None and set(dec.spec.graphs) == phases) == graphed
         tokens, accepted, _ = decode(dec, prompt, n, pre)
@@ -467,29 +452,6 @@ def test_graphed_preset_fp32_equals_graphed_ar_and_eager():
     graphed, eager = graphed_and_eager(rt, drafter, settings, prompt, n, want, preset=PRESET)
     assert graphed[0][:n] == want and graphed[2] is None
     assert graphed[0] == eager[0]
-
-
-@needs_cuda
-@pytest.mark.gpu
-def test_a_self_timed_draft_makes_a_step_one_graph_and_one_event():
-    """Where the draft kernel writes its own start and end (the GPU's clock), a step replays
-    as one graph: every step but the first (whose draft is the first graph's) has the
-    kernel's draft time, acceptance takes none (it runs in the verification's launch), and
-    the output is still AR's."""
-    drafter, rt, ar, settings, prompt = _small_cuda_pair("block")
-    n = 64
-    dec = GraphedDecoder(rt, DeviceBlockDrafter(drafter, settings, preset=PRESET), settings, capacity=n + 16)
-    assert dec.drafter.clocks_drafts and dec.spec.kernel_accept and "step" in dec.spec.graphs
-    tokens, _, steps = decode(dec, prompt, n)
-    ar.reset(rt.prefill(prompt)[0], prompt[-1])
-    assert tokens[:n] == ar.decode(n)
-    clock = dec.state.log.draft_clock[:len(steps)].tolist()
-    for i, st in enumerate(steps[1:], 1):
-        start, end = clock[i - 1]
-        assert 0 < end - start < 10**8, (i, start, end)          # written, and under 0.1 s
-        t = st.times_ms
-        assert t["accept"] == 0.0 and t["verify"] > 0
-        assert t["draft"] == pytest.approx((end - start) / 1e6)
 
 
 def _embedded_pair():

@@ -62,11 +62,9 @@ def check_block_draft(dtype, device, programs: int | None = None, steps: int = 6
     flat = torch.tensor([slot * k + rank for slot, rank in picks], device=device)
     log_rows, drafted = 3, len(picks)
     nodes = drafted + 2
-    # on the GPU the draft also writes its start and end (global timer) into row step - 1
-    clock = torch.zeros(log_rows, 2, dtype=torch.long, device=device) if device == "cuda" else None
     chain = ChainOut(torch.full((drafted + 1,), -7, device=device), flat, torch.zeros(1, dtype=torch.long, device=device),
                      torch.zeros(log_rows, S, k, dtype=torch.long, device=device), torch.zeros(log_rows, S, k, device=device),
-                     torch.full((log_rows, nodes), 9.0, device=device), 0.5, clock)
+                     torch.full((log_rows, nodes), 9.0, device=device), 0.5)
     tol = 2e-4 if dtype == torch.float32 else 3e-2
     rng, problems = random.Random(seed), []
     for step in range(steps):
@@ -80,15 +78,8 @@ def check_block_draft(dtype, device, programs: int | None = None, steps: int = 6
         want_h, want_logits = dev.slot_logits(root)
         want_cand, want_logp = candidates(want_logits[0], k)
         chain.step.fill_(step + 1)                   # past the log's last row: clamped to it
-        if clock is not None:
-            clock.zero_()
         kernel(root, result, features if a >= 0 else None, *window, h, logits, cand, cand_logp, chain)
         row = min(step + 1, log_rows - 1)
-        if clock is not None:
-            timed = clock.tolist()
-            start, end = timed.pop(min(step + 1, log_rows) - 1)
-            if not (0 < start <= end < start + 10**8) or any(r != [0, 0] for r in timed):
-                problems.append(f"step {step}: the clock rows {clock.tolist()} are not this draft's start and end")
         want_row = torch.zeros(nodes, device=device)
         want_row[1:drafted + 1] = cand_logp.view(-1)[flat] * 0.5
         if not (torch.equal(chain.tokens[1:], cand.view(-1)[flat]) and torch.equal(chain.cand[row], cand)
@@ -111,20 +102,9 @@ def check_block_draft(dtype, device, programs: int | None = None, steps: int = 6
             gap = float(want_logp[s, 0] - torch.log_softmax(want_logits[0, s].float(), -1)[got_tok])
             if got_tok != want_tok and gap > 10 * tol:
                 problems.append(f"step {step}: slot {s} picked {got_tok}, not {want_tok} (gap {gap:.3g})")
-    if clock is not None:       # a first draft (step 0) belongs to no step: it writes no time
-        clock.zero_()
-        chain.step.fill_(0)
-        kernel(root, no_path(device), None, *window, h, logits, cand, cand_logp, chain)
-        if clock.any():
-            problems.append(f"a draft at step 0 wrote the clock rows {clock.tolist()}")
     if kernel.failed():
         problems.append("a barrier gave up waiting")
     return problems
-
-
-def no_path(device) -> torch.Tensor:
-    """A `result` that appends nothing to the window (a first draft's)."""
-    return torch.tensor([-1, 0, 0] + list(range(BLOCK)), device=device)
 
 
 @needs_cuda
@@ -147,9 +127,9 @@ def test_block_draft_in_the_device_drafter():
     assert off.kernel is None and "off" in off.draft_note
 
 
-def test_block_draft_bad_input(monkeypatch):
+def test_block_draft_bad_input():
     pytest.importorskip("triton")
-    from kernels.triton_draft_step import ChainOut, PersistentBlockDraft, unsupported
+    from kernels.triton_draft_step import PersistentBlockDraft, unsupported
     from specla.graphs.draft_step import draft_weights
     assert "head width" in unsupported(dict(WD=64, HD=16, MH=96, W=16, B=6))
     assert "window" in unsupported(dict(WD=64, HD=32, MH=96, W=4, B=6))
@@ -161,17 +141,6 @@ def test_block_draft_bad_input(monkeypatch):
     with pytest.raises(ValueError, match="no tiles"):
         PersistentBlockDraft(draft_weights(dev.net, dev.parts), c.heads, c.window, c.block_size, 3, 4, 1e-6, 1e-6,
                              programs=1, blocks={"BX": 1})
-    kernel = PersistentBlockDraft(draft_weights(dev.net, dev.parts), c.heads, c.window, c.block_size, 3, 4, 1e-6,
-                                  1e-6, programs=1)
-    i64 = dict(dtype=torch.long)
-    chain = ChainOut(torch.zeros(4, **i64), torch.arange(3), torch.zeros(1, **i64), torch.zeros(5, 3, 4, **i64),
-                     torch.zeros(5, 3, 4), torch.zeros(5, 6))
-    assert kernel._clock(chain) is None
-    with pytest.raises(ValueError, match="clock must be"):
-        kernel._clock(chain._replace(clock=torch.zeros(4, 2, **i64)))
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(ValueError, match="interpreter"):
-        kernel._clock(chain._replace(clock=torch.zeros(5, 2, **i64)))
 
 
 def test_block_draft_interpreter():

@@ -4,10 +4,8 @@
 target forward either way:
 
     device drafting   a `DeviceBlockDrafter` inside the step graphs: the host replays steps
-                      in batches and reads the step log once per batch (no host work inside
-                      a batch). Where the drafting kernel times itself on the GPU's clock and
-                      the verification's launch accepts, a step is one graph with one CUDA
-                      event after it; otherwise each phase is a graph with an event after it
+                      in batches, with a CUDA event after each phase, and reads the step log
+                      once per batch (no host work inside a batch)
     host drafting     a host drafter runs eagerly between replays (drafters or settings with
                       no device version); one graph per draft-size bucket (chains padded at
                       their end, trees with dummy nodes off the root, the topology rewritten
@@ -34,15 +32,10 @@ from specla.drafters.base import Accepted, DraftContext, DraftSettings
 from specla.graphs.buckets import bucket, max_path_for, padded_nodes
 from specla.graphs.readback import Readback
 from specla.graphs.runtime import PackedTarget, PhaseClock, StaticState, capture, sync
-from specla.graphs.spec import (GraphedSpec, LoggedSteps, SpecState, StepOutcome, clocked_step_times,
-                                enqueue_phases, enqueue_steps, step_times)
+from specla.graphs.spec import GraphedSpec, LoggedSteps, SpecState, StepOutcome, enqueue_phases, step_times
 from specla.tree import DraftTree
 
 MAX_BATCH = 64          # device-drafted steps replayed between two readbacks
-# A step whose draft times itself replays as one graph with one CUDA event after it, not as
-# a graph and an event per phase (False: per phase, for comparison). An event costs the GPU
-# about 2 us, and a graph boundary breaks the drafting kernel's programmatic dependent launch.
-ONE_GRAPH_A_STEP = True
 LOG_FIELDS = tuple(f.name for f in dataclasses.fields(LoggedSteps))
 
 
@@ -103,9 +96,7 @@ class GraphedDecoder:
                                     deferred=deferred, feature_layers=self.feature_layers,
                                     use_graph=self.use_graph, recurrence=recurrence, drafter=drafter,
                                     sampling=None if sampling is None else (sampling.temperature, sampling.top_p),
-                                    compile=getattr(drafter, "compiled", False),
-                                    whole_step=(ONE_GRAPH_A_STEP and self.use_graph
-                                                and getattr(drafter, "clocks_drafts", False)))
+                                    compile=getattr(drafter, "compiled", False))
             self.first_graph = self._capture_first() if self.spec.use_graph else None
             self.capture_ms = 1e3 * (time.perf_counter() - t0)
         else:
@@ -180,8 +171,6 @@ class GraphedDecoder:
         runs past n are not yielded. The first step of a batch carries the time the device
         waited for it (`idle`), so the steps' times add up to the device's wall time."""
         st, spec, P, clock = self.state, self.spec, self.state.max_path, PhaseClock(self.packed.device)
-        # one graph and one event a step where the draft times itself (events cost the GPU ~2 us each)
-        whole = "step" in spec.graphs and spec.kernel_accept and getattr(self.drafter, "clocks_drafts", False)
         first_draft = [clock.stamp()]
         if self.first_graph is not None:
             self.first_graph.replay()
@@ -197,7 +186,7 @@ class GraphedDecoder:
             count = min(MAX_BATCH, math.ceil((n - made) / tau), st.log.steps - 1 - launched)
             if count <= 0:
                 return None
-            marks = (enqueue_steps if whole else enqueue_phases)(spec, count, clock)
+            marks = enqueue_phases(spec, count, clock)
             self.readback.enqueue(launched, count)
             launched += count
             return marks
@@ -216,7 +205,7 @@ class GraphedDecoder:
             gaps = clock.gaps([last_mark] + batch_marks)  # the device's wait, then each phase
             last_mark = batch_marks[-1]
             logged = LoggedSteps(**{f: rows[f] for f in LOG_FIELDS})
-            times = clocked_step_times(gaps[1:], rows["draft_clock"]) if whole else step_times(gaps[1:])
+            times = step_times(gaps[1:])
             details = self.drafter.details(rows, len(times))
             for step in logged_steps(logged, times, draft_ms, details, spec.mode, idle_ms=gaps[0]):
                 produced += step.outcome.accepted + 1

@@ -48,9 +48,6 @@ class _DeviceDrafter:
     """What the device drafters share: the draft shape the step graphs are captured with, and
     writing each step's draft into the step (tokens, topology, proposal rows, log-probs)."""
 
-    # whether each draft writes its own start and end into the step log (`StepLog.draft_clock`)
-    clocks_drafts = False
-
     shape: str
     nodes: int
     dynamic: bool
@@ -182,7 +179,6 @@ class DeviceBlockDrafter(_DeviceDrafter):
         # the block drafter's greedy chain (its top-1s) and its log row, written by the kernel too
         self.kernel_chain = (self.kernel is not None and not self.lilicorr and not self.samples_chains and (
             self.shape == "preset" or (self.shape == "chain" and self.prune_tau is None)))
-        self.clocks_drafts = self.kernel_chain
         if self.kernel is not None:
             self.k_h = torch.zeros(c.block_size - 1, c.width, device=dev, dtype=w.dtype)
             self.k_logits = torch.zeros(c.block_size - 1, self.parts.vocab_size, device=dev)
@@ -401,9 +397,8 @@ class DeviceBlockDrafter(_DeviceDrafter):
             self.propose_from(spec, self.kernel_scores(spec.state.root, result, features))
             return
         from kernels.triton_draft_step import ChainOut
-        log = spec.state.log
         chain = ChainOut(spec.tokens[0], self.flat, spec.state.step, self.log["cand"], self.log["cand_logp"],
-                         log.draft_logp, 0.0 if self.single_candidate else 1.0, log.draft_clock)
+                         spec.state.log.draft_logp, 0.0 if self.single_candidate else 1.0)
         self.kernel(spec.state.root, result, features, self.ctx, self.valid, self.kv_stack, self.k_h, self.k_logits,
                     self.k_cand, self.k_cand_logp, chain)
 

@@ -117,10 +117,8 @@ class StepLog:
 
     Row s is step s: the verified tree (tokens root first, -1 for dummy nodes; parents), the
     target's argmax at every node and its probability of each node's token given the node's
-    parent, the drafter's log-prob of each node (0 where unknown), the acceptance
-    (accepted drafts a, end node, bonus token, the accepted path padded to P), and the
-    start and end (ns of the GPU's global timer) of the draft made after step s's
-    verification, where the drafting kernel writes them (zeros elsewhere).
+    parent, the drafter's log-prob of each node (0 where unknown), and the acceptance
+    (accepted drafts a, end node, bonus token, the accepted path padded to P).
     """
 
     def __init__(self, steps: int, nodes: int, max_path: int, device):
@@ -132,11 +130,9 @@ class StepLog:
         self.target_prob = torch.zeros(steps, nodes, device=device)
         self.draft_logp = torch.zeros(steps, nodes, device=device)
         self.result = torch.zeros(steps, 3 + max_path, **i64)
-        self.draft_clock = torch.zeros(steps, 2, **i64)
 
     def buffers(self) -> list[torch.Tensor]:
-        return [self.tokens, self.parents, self.choice, self.target_prob, self.draft_logp, self.result,
-                self.draft_clock]
+        return [self.tokens, self.parents, self.choice, self.target_prob, self.draft_logp, self.result]
 
     def row(self, step: torch.Tensor) -> torch.Tensor:
         """The row index of a device step counter (the last row absorbs any overflow)."""
@@ -161,7 +157,6 @@ class LoggedSteps:
     target_prob: list[list[float]]
     draft_logp: list[list[float]]
     result: list[list[int]]             # a, end, bonus, path...
-    draft_clock: list[list[int]]        # the next draft's start, end (GPU ns; zeros if not clocked)
 
 
 @dataclasses.dataclass
@@ -599,29 +594,6 @@ def enqueue_phases(spec: GraphedSpec, steps: int, clock: PhaseClock) -> list:
 def step_times(gaps: list[float]) -> list[tuple[float, float, float]]:
     """Per step (verify, accept, draft) milliseconds from the gaps between a batch's phase marks."""
     return [tuple(gaps[3 * i:3 * i + 3]) for i in range(len(gaps) // 3)]
-
-
-def enqueue_steps(spec: GraphedSpec, steps: int, clock: PhaseClock) -> list:
-    """Queue `steps` whole steps (the one-step graph), with no host sync. Returns the clock's
-    marks: one before the steps and one after each step."""
-    marks = [clock.stamp()]
-    for _ in range(steps):
-        spec.step()
-        marks.append(clock.stamp())
-    return marks
-
-
-def clocked_step_times(gaps: list[float], draft_clock: list[list[int]]) -> list[tuple[float, float, float]]:
-    """Per step (verify, accept, draft) milliseconds of whole-step replays (`enqueue_steps`):
-    a step's gap holds its verification, with acceptance in the same launch, and the next
-    draft, whose start and end the drafting kernel wrote into the step's `draft_clock` row
-    (GPU ns). The launch gaps count as verification, so the steps' times still add up to the
-    events' wall time."""
-    times = []
-    for gap, (start, end) in zip(gaps, draft_clock):
-        draft = min(max((end - start) / 1e6, 0.0), gap)
-        times.append((gap - draft, 0.0, draft))
-    return times
 
 
 def replay_phases(spec: GraphedSpec, steps: int, clock: PhaseClock) -> list[tuple[float, float, float]]:
