@@ -27,6 +27,7 @@
 # assets/drafters/block; carry data/corpus/train.txt.gz and manifest.json),
 # drafter-speed (the block drafter in assets/ against OTHER_BLOCK on 20 held-out prompts),
 # phase-floor (benchmarks/phase_floor.cu: a dependent phase joined by a grid barrier or a cluster's),
+# l2-sides (benchmarks/l2_sides.cu: whether the SM that reads a tile keeps it in L2; options in L2_SIDES_ARGS),
 # target (a second training stage of the embedded target from assets/target; needs data/corpus). Needs the
 # pure-Python wheels in .whl/ (see benchmarks/README.md). Results land in $OUT/results
 # (default /tmp/specla-out/results); a stage's time limit is its T_<STAGE> variable.
@@ -54,6 +55,13 @@ bench() {  # bench SUITE LIMIT [extra args]
   local suite=$1 limit=$2; shift 2
   timeout "$limit" python3 -m specla bench --device cuda --suite "$suite" --out "$R" \
     --deadline $((limit - 40)) "$@" 2>&1 | tee "$R/log_$suite.txt"
+}
+
+build_cu() {  # build_cu NAME: benchmarks/NAME.cu -> /tmp/NAME for sm_90 (its log in $R); fails unless built
+  rm -f "/tmp/$1"
+  nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -o "/tmp/$1" "benchmarks/$1.cu" 2>&1 \
+    | tee "$R/log_$1_build.txt"
+  [ -x "/tmp/$1" ]
 }
 
 pair_speed() {  # pair_speed NAME LIMIT [launch_counts options]: the embedded pair, measured preset, 20 held-out prompts
@@ -131,11 +139,15 @@ for stage in "$@"; do
       grep -E "passed|failed" "$R/gpu_tests_preload.txt" ;;
     phase-floor) # issue #15: what one dependent phase costs, joined by a grid barrier through L2 (the Triton
       # persistent kernels' way) or by a thread-block cluster's barrier, through L2 or distributed shared memory
-      if nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -o /tmp/phase_floor benchmarks/phase_floor.cu \
-          2>&1 | tee "$R/log_phase_floor_build.txt"; [ -x /tmp/phase_floor ]; then
+      if build_cu phase_floor; then
         for rows in 0 1024; do
           timeout "${T_PHASE_FLOOR:-60}" /tmp/phase_floor --rows $rows | tee "$R/phase_floor_rows$rows.json"
         done
+      fi ;;
+    l2-sides) # issues #15, #16: a pool read by every SM in steps joined by a grid barrier, each chunk by the
+      # same SM or by another one each step: whether where a tile is read decides if it stays in L2
+      if build_cu l2_sides; then
+        timeout "${T_L2_SIDES:-120}" /tmp/l2_sides ${L2_SIDES_ARGS:-} | tee "$R/l2_sides.json"
       fi ;;
     head) bench head "${T_HEAD:-300}" ${HEAD_ARGS:-} ;;
     head-kernels) timeout "${T_HEAD_KERNELS:-300}" python3 benchmarks/bench_lilicorr.py --out "$R" ${HEAD_KERNELS_ARGS:-} \
