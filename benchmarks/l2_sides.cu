@@ -19,6 +19,8 @@
 // (`same_sm_as_last_launch`), which says whether pid and sm differ across launches.
 #include <cuda_runtime.h>
 
+#include "cuda_check.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -30,15 +32,6 @@
 constexpr int THREADS = 512;
 constexpr int PAD_SHARED = 120 * 1024;   // two blocks would need more than an SM has
 constexpr int MAX_SM_ID = 1024;
-
-#define CHECK(call)                                                                              \
-  do {                                                                                           \
-    cudaError_t err_ = (call);                                                                   \
-    if (err_ != cudaSuccess) {                                                                   \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(err_)); \
-      std::exit(1);                                                                              \
-    }                                                                                            \
-  } while (0)
 
 __device__ __forceinline__ unsigned sm_id() {
   unsigned s;

@@ -22,6 +22,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "cuda_check.h"
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -34,15 +36,6 @@ namespace cg = cooperative_groups;
 constexpr int D = 384;          // the embedded target's width
 constexpr int THREADS = 256;    // 8 warps a block
 constexpr int MAX_CLUSTER = 16;
-
-#define CHECK(call)                                                                              \
-  do {                                                                                           \
-    cudaError_t err_ = (call);                                                                   \
-    if (err_ != cudaSuccess) {                                                                   \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(err_)); \
-      std::exit(1);                                                                              \
-    }                                                                                            \
-  } while (0)
 
 struct Args {
   int phases;
