@@ -303,9 +303,10 @@ def load_runtime(model: str | None = None, drafters: str | None = None,
 
 # The drafter a page, or a run that names none, starts with: the pair measured fastest with
 # the page's starting shape on the engine's backend. CUDA graphs: the block drafter at its
-# measured preset, 1.23x, against LiLiCorr's chain at 1.00x (an H100,
-# benchmarks/results/h100/session39/). The CPU: LiLiCorr's chain, 1.77x, against the block
-# chain's 1.64x (benchmarks/results/cpu/session40/speedup_cpu_default_drafter.md).
+# measured preset, 1.28x (benchmarks/results/h100/session41/), against LiLiCorr's chain at
+# 1.00x (benchmarks/results/h100/session39/). The CPU: LiLiCorr's chain, 1.77x, against the
+# block chain's 1.64x (benchmarks/results/cpu/session40/speedup_cpu_default_drafter.md); on
+# session 41's noisier VM one LiLiCorr chain ran at 1.68x and 1.94x, the block chain at 1.80x.
 PREFERRED_DRAFTERS = {"graphed": ("block", "lilicorr"), "eager": ("lilicorr", "block")}
 
 
