@@ -79,6 +79,7 @@ struct Row {
   double pool_mb;
   const char* way;
   double us;
+  double bytes;   // what a step reads: G whole chunks
 };
 
 int main(int argc, char** argv) {
@@ -165,9 +166,8 @@ int main(int argc, char** argv) {
       launch(chunk, steps, way);     // warm: the pool's lines where this way leaves them
       std::vector<float> us;
       for (int r = 0; r < repeats; ++r) {
-        CHECK(cudaMemsetAsync(counter, 0, sizeof(unsigned)));
         CHECK(cudaEventRecord(start));
-        read_steps<<<G, THREADS, PAD_SHARED>>>(pool, chunk, steps, way, rank_of_sm, counter, sink, sm_of_block);
+        launch(chunk, steps, way);
         CHECK(cudaEventRecord(stop));
         CHECK(cudaEventSynchronize(stop));
         float ms = 0;
@@ -175,17 +175,15 @@ int main(int argc, char** argv) {
         us.push_back(1e3f * ms / steps);
       }
       std::sort(us.begin(), us.end());
-      rows.push_back({mb, names[way], us[us.size() / 2]});
+      rows.push_back({mb, names[way], us[us.size() / 2], (double)chunk * G * sizeof(uint4)});
     }
   }
   std::printf("{\"device\": \"%s\", \"sms\": %d, \"l2_bytes\": %d, \"steps\": %d, \"repeats\": %d, "
               "\"same_sm_as_last_launch\": %.3f,\n \"us_per_step\": [",
               prop.name, G, prop.l2CacheSize, steps, repeats, compared ? (double)same / compared : 0.0);
-  for (size_t i = 0; i < rows.size(); ++i) {
-    const double bytes = (double)((size_t)(rows[i].pool_mb * (1 << 20)) / sizeof(uint4) / G) * G * sizeof(uint4);
+  for (size_t i = 0; i < rows.size(); ++i)
     std::printf("%s\n  {\"pool_mb\": %g, \"way\": \"%s\", \"us\": %.3f, \"GBps\": %.0f}", i ? "," : "",
-                rows[i].pool_mb, rows[i].way, rows[i].us, bytes / (rows[i].us * 1e3));
-  }
+                rows[i].pool_mb, rows[i].way, rows[i].us, rows[i].bytes / (rows[i].us * 1e3));
   std::printf("]}\n");
   return 0;
 }
