@@ -1,7 +1,7 @@
 // Whether the SM that reads a weight tile decides if the tile stays in L2 (issues #15, #16).
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -o /tmp/l2_sides benchmarks/l2_sides.cu
-//   /tmp/l2_sides [--steps 200] [--repeats 5] [--pools 8,16,20,24,28,32,36,40,44,48,56,64]
+//   /tmp/l2_sides [--steps 200] [--repeats 5] [--pools 8,16,20,24,28,32,36,40,44,48,56,64] [--second-mb 4.5]
 //
 // Hopper's L2 has two partitions, and a partition caches the lines that the SMs on its side
 // read, so a line read from both sides may take a place in each. A working set read from
@@ -17,6 +17,12 @@
 // (median of `repeats` launches after one warm launch) and the pool's bytes over that time,
 // for each pool size and way; and how many blocks were on the SM of the launch before
 // (`same_sm_as_last_launch`), which says whether pid and sm differ across launches.
+//
+// Then, as a speculative step alternates the verification's launch (the target's weights) and
+// the draft's (the drafter's), launches of one step over a pool of S MB alternate with launches
+// over a second pool of `--second-mb` MB, both read the `pid` way: `alternating` gives µs a
+// pair of launches, each pool's launches alone, and what alternating adds (`extra_us`), the
+// launches' own cost cancelling. 0 skips it.
 #include <cuda_runtime.h>
 
 #include "cuda_check.h"
@@ -25,6 +31,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -75,6 +82,10 @@ __global__ void read_steps(const uint4* pool, size_t chunk, int steps, int way, 
   if (threadIdx.x == 0) sm_of_block[blockIdx.x] = (int)sm;
 }
 
+struct Pair {       // µs a launch of the first pool alone, of the second alone, and a pair alternating
+  double pool_mb, a_us, b_us, both_us;
+};
+
 struct Row {
   double pool_mb;
   const char* way;
@@ -84,6 +95,7 @@ struct Row {
 
 int main(int argc, char** argv) {
   int steps = 200, repeats = 5;
+  double second_mb = 4.5;
   std::vector<double> pools = {8, 16, 20, 24, 28, 32, 36, 40, 44, 48, 56, 64};
   for (int i = 1; i < argc; i += 2) {
     std::string k = argv[i];
@@ -93,6 +105,7 @@ int main(int argc, char** argv) {
     }
     if (k == "--steps") steps = std::atoi(argv[i + 1]);
     else if (k == "--repeats") repeats = std::atoi(argv[i + 1]);
+    else if (k == "--second-mb") second_mb = std::atof(argv[i + 1]);
     else if (k == "--pools") {
       pools.clear();
       std::stringstream list(argv[i + 1]);
@@ -105,8 +118,9 @@ int main(int argc, char** argv) {
   }
   bool pools_ok = !pools.empty();
   for (double mb : pools) pools_ok = pools_ok && mb > 0 && mb <= 4096;
-  if (steps < 1 || repeats < 1 || !pools_ok) {
-    std::fprintf(stderr, "need --steps >= 1, --repeats >= 1, --pools of sizes in (0, 4096] MB\n");
+  if (steps < 1 || repeats < 1 || !pools_ok || !(second_mb >= 0 && second_mb <= 4096)) {
+    std::fprintf(stderr, "need --steps >= 1, --repeats >= 1, --pools of sizes in (0, 4096] MB, --second-mb in "
+                 "[0, 4096]\n");
     return 2;
   }
   cudaDeviceProp prop;
@@ -114,9 +128,12 @@ int main(int argc, char** argv) {
   const int G = prop.multiProcessorCount;
   const double most_mb = *std::max_element(pools.begin(), pools.end());
   const size_t most_vec = (size_t)(most_mb * (1 << 20)) / sizeof(uint4);
-  uint4* pool;
+  const size_t second_vec = (size_t)(second_mb * (1 << 20)) / sizeof(uint4);
+  uint4 *pool, *second;
   CHECK(cudaMalloc(&pool, most_vec * sizeof(uint4)));
   CHECK(cudaMemset(pool, 0x5a, most_vec * sizeof(uint4)));
+  CHECK(cudaMalloc(&second, std::max<size_t>(second_vec, 1) * sizeof(uint4)));
+  CHECK(cudaMemset(second, 0x3c, std::max<size_t>(second_vec, 1) * sizeof(uint4)));
   unsigned *counter, *sink;
   int *rank_of_sm, *sm_of_block;
   CHECK(cudaMalloc(&counter, sizeof(unsigned)));
@@ -125,11 +142,12 @@ int main(int argc, char** argv) {
   CHECK(cudaMalloc(&sm_of_block, G * sizeof(int)));
   CHECK(cudaFuncSetAttribute(read_steps, cudaFuncAttributeMaxDynamicSharedMemorySize, PAD_SHARED));
 
-  auto launch = [&](size_t chunk, int n, int way) {
+  auto launch_over = [&](const uint4* from, size_t chunk, int n, int way) {
     CHECK(cudaMemsetAsync(counter, 0, sizeof(unsigned)));
-    read_steps<<<G, THREADS, PAD_SHARED>>>(pool, chunk, n, way, rank_of_sm, counter, sink, sm_of_block);
+    read_steps<<<G, THREADS, PAD_SHARED>>>(from, chunk, n, way, rank_of_sm, counter, sink, sm_of_block);
     CHECK(cudaGetLastError());
   };
+  auto launch = [&](size_t chunk, int n, int way) { launch_over(pool, chunk, n, way); };
   // each SM's rank: the block it ran in a first launch (every SM runs exactly one block)
   std::vector<int> sms(G), ranks(MAX_SM_ID, 0), last(G);
   launch(1, 1, 0);
@@ -158,25 +176,41 @@ int main(int argc, char** argv) {
   cudaEvent_t start, stop;
   CHECK(cudaEventCreate(&start));
   CHECK(cudaEventCreate(&stop));
+  // µs of one of `count` calls of run(), median of `repeats` timed rounds after a warm one
+  auto time_us = [&](const std::function<void()>& run, int count) {
+    for (int i = 0; i < count; ++i) run();
+    std::vector<float> us;
+    for (int r = 0; r < repeats; ++r) {
+      CHECK(cudaEventRecord(start));
+      for (int i = 0; i < count; ++i) run();
+      CHECK(cudaEventRecord(stop));
+      CHECK(cudaEventSynchronize(stop));
+      float ms = 0;
+      CHECK(cudaEventElapsedTime(&ms, start, stop));
+      us.push_back(1e3f * ms / count);
+    }
+    std::sort(us.begin(), us.end());
+    return (double)us[us.size() / 2];
+  };
   const char* names[3] = {"pid", "sm", "rotate"};
   std::vector<Row> rows;
   for (double mb : pools) {
     const size_t chunk = (size_t)(mb * (1 << 20)) / sizeof(uint4) / G;
     for (int way = 0; way < 3; ++way) {
-      launch(chunk, steps, way);     // warm: the pool's lines where this way leaves them
-      std::vector<float> us;
-      for (int r = 0; r < repeats; ++r) {
-        CHECK(cudaEventRecord(start));
-        launch(chunk, steps, way);
-        CHECK(cudaEventRecord(stop));
-        CHECK(cudaEventSynchronize(stop));
-        float ms = 0;
-        CHECK(cudaEventElapsedTime(&ms, start, stop));
-        us.push_back(1e3f * ms / steps);
-      }
-      std::sort(us.begin(), us.end());
-      rows.push_back({mb, names[way], us[us.size() / 2], (double)chunk * G * sizeof(uint4)});
+      const double us = time_us([&] { launch(chunk, steps, way); }, 1) / steps;
+      rows.push_back({mb, names[way], us, (double)chunk * G * sizeof(uint4)});
     }
+  }
+  std::vector<Pair> pairs;
+  const size_t second_chunk = second_vec / G;
+  for (double mb : second_chunk ? pools : std::vector<double>{}) {
+    const size_t chunk = (size_t)(mb * (1 << 20)) / sizeof(uint4) / G;
+    const int count = 200;
+    const double a = time_us([&] { launch_over(pool, chunk, 1, 0); }, count);
+    const double b = time_us([&] { launch_over(second, second_chunk, 1, 0); }, count);
+    const double both = time_us([&] { launch_over(pool, chunk, 1, 0); launch_over(second, second_chunk, 1, 0); },
+                                count);
+    pairs.push_back({mb, a, b, both});
   }
   std::printf("{\"device\": \"%s\", \"sms\": %d, \"l2_bytes\": %d, \"steps\": %d, \"repeats\": %d, "
               "\"same_sm_as_last_launch\": %.3f,\n \"us_per_step\": [",
@@ -184,6 +218,11 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i < rows.size(); ++i)
     std::printf("%s\n  {\"pool_mb\": %g, \"way\": \"%s\", \"us\": %.3f, \"GBps\": %.0f}", i ? "," : "",
                 rows[i].pool_mb, rows[i].way, rows[i].us, rows[i].bytes / (rows[i].us * 1e3));
+  std::printf("],\n \"second_mb\": %g, \"alternating\": [", second_mb);
+  for (size_t i = 0; i < pairs.size(); ++i)
+    std::printf("%s\n  {\"pool_mb\": %g, \"a_us\": %.3f, \"b_us\": %.3f, \"both_us\": %.3f, \"extra_us\": %.3f}",
+                i ? "," : "", pairs[i].pool_mb, pairs[i].a_us, pairs[i].b_us, pairs[i].both_us,
+                pairs[i].both_us - pairs[i].a_us - pairs[i].b_us);
   std::printf("]}\n");
   return 0;
 }

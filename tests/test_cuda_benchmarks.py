@@ -11,7 +11,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 BAD_OPTIONS = {
     "phase_floor": [["--rows", "100"], ["--phases", "0"], ["--pool-mb", "-1"], ["--bogus", "1"]],
-    "l2_sides": [["--steps", "0"], ["--pools", "8,x"], ["--pools", "5000"], ["--repeats"], ["--bogus", "1"]],
+    "l2_sides": [["--steps", "0"], ["--pools", "8,x"], ["--pools", "5000"], ["--second-mb", "-1"], ["--repeats"],
+                 ["--bogus", "1"]],
 }
 
 
