@@ -23,7 +23,7 @@ from kernels.triton_verify_step import PersistentChainVerify  # noqa: E402
 from tests.test_decode_step import SHAPES, random_weights  # noqa: E402
 
 PHASES = ("A in-proj + conv/gates", "B recurrence", "C out-proj", "D gate/up", "E down")
-ACCEPT_PHASES = ("accept: argmax + lse", "accept: commit + bookkeeping")
+ACCEPT_PHASES = ("accept: choices + commit + bookkeeping",)
 
 
 def make_call(shape: str, nodes: int, programs: int | None, warps: int, block_k: int, stages: int,

@@ -1,24 +1,25 @@
-"""Greedy acceptance of a verified draft chain or tree, as two phases that end the persistent
+"""Greedy acceptance of a verified draft chain or tree, as one phase that ends the persistent
 verification (`triton_verify_step.py`): the target's choice at every node, the accepted
 path, the deferred commit, the conv window, the bookkeeping and the step log.
 
 Why: run as torch ops after the verification, acceptance was 13 launches and ~18 us of a
 ~240 us speculative step on the H200, plus a launch gap each, for a few KB of work
-(benchmarks/results/h200/session17/). Inside the verification's launch it costs two grid
-barriers.
+(benchmarks/results/h200/session17/). Inside the verification's launch it costs a grid
+barrier: the LM head's column units leave each row's maximum, its first column and the
+block's sum of exponentials (`_head_stats`), so no phase of its own reads the logits.
 
 Its reference is the speculative step's own torch acceptance (`GraphedSpec.accept` in
 `specla/graphs/spec.py`: `greedy_accept`, `_log`, `_commit` deferred, `_conv_window`,
 `_bookkeep`); the tests run both on the same logits and compare every buffer.
 
-    phase 1  per node r: the argmax of its logits, and from their log-sum-exp the target's
-             probability of each child's token
-    phase 2  every program finds the accepted path (a chain: the leading drafts equal to
-             the target's choice at their parent; a tree: the walk from the root through
-             the first child that matches) and the bonus token; then, dealt round-robin:
-             the path's factors into the pending commit (zeros past it), the conv window
-             shifted by its a + 1 inputs, and one unit of bookkeeping (the output tokens,
-             the counters, the next root, the step log's row, the result)
+    LM head  per column block and node: maximum, first column holding it, sum of exponentials
+    accept   every program merges the blocks into each node's argmax and finds the accepted
+             path (a chain: the leading drafts equal to the target's choice at their parent;
+             a tree: the walk from the root through the first child that matches) and the
+             bonus token; then, dealt round-robin: the path's factors into the pending
+             commit (zeros past it), the conv window shifted by its a + 1 inputs, and one
+             unit of bookkeeping (the output tokens, the counters, the next root, the step
+             log's row with each node's probability from the merged log-sum-exp, the result)
 """
 from __future__ import annotations
 
@@ -71,48 +72,68 @@ class ChainAccept:
 
 
 def accept_tiles(nodes: int, max_path: int, heads: int, head_dim: int, head_v_dim: int,
-                 vocab: int) -> dict[str, int]:
-    """The acceptance phases' block widths (constexprs of `_node_stats` and `_accept_phase`;
-    the conv window's BW is the verification's)."""
+                 head_blocks: int) -> dict[str, int]:
+    """The acceptance phase's block widths (constexprs of `_accept_phase`; the conv window's
+    BW is the verification's), for an LM head of `head_blocks` column blocks."""
     p2 = triton.next_power_of_2
-    return dict(BVOC=min(p2(vocab), 1024), BNODES=p2(nodes), BP=p2(3 + max_path), BC=64,
+    return dict(BB=p2(head_blocks), BNODES=p2(nodes), BP=p2(3 + max_path), BC=64,
                 BHK=p2(heads * head_dim), BHV=p2(heads * head_v_dim), BH=p2(heads))
 
 
 @triton.jit
-def _node_stats(logits, tokens, parents, choice_s, prob_s, r, N, VOCAB: tl.constexpr, BVOC: tl.constexpr,
-                BNODES: tl.constexpr):
-    """Node r's argmax (the first of equal maxima, as torch's), and the target's probability
-    of each child's token from the row's log-sum-exp (0 for a dummy token)."""
-    o = tl.arange(0, BVOC)
-    row = logits + r * VOCAB
-    m = tl.full([], float("-inf"), tl.float32)
-    s = tl.zeros([], dtype=tl.float32)
-    best = tl.zeros([], dtype=tl.int64)
-    for start in range(0, VOCAB, BVOC):
-        x = tl.load(row + start + o, mask=start + o < VOCAB, other=float("-inf"), cache_modifier=".cg")
-        top = tl.max(x, 0)
-        best = tl.where(top > m, (start + tl.argmax(x, 0, tie_break_left=True)).to(tl.int64), best)
-        new_m = tl.maximum(m, top)
-        s = s * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), 0)
-        m = new_m
-    lse = m + tl.log(s)
-    tl.store(choice_s + r, best)
-    c = tl.arange(0, BNODES)
-    child = (c < N) & (tl.load(parents + c, mask=c < N, other=-1) == r)
-    tok = tl.load(tokens + c, mask=child, other=-1)
-    logit = tl.load(row + tl.maximum(tok, 0), mask=child, other=0.0, cache_modifier=".cg")
-    tl.store(prob_s + c, tl.where(tok < 0, 0.0, tl.exp(logit - lse)), mask=child)
+def _head_stats(acc, rows, r_mask, cols, c_mask, blk, blocks, stats):
+    """Block `blk` (of `blocks`) of the LM head's logits, acc [rows, BN] fp32 for the
+    columns `cols`: each row's maximum, the first column holding it and sum(exp(logit -
+    maximum)), into stats = (m, idx, s) at [row, blk]: what `_choices` and `_log_sum_exp`
+    merge."""
+    x = tl.where(c_mask[None, :], acc, float("-inf"))
+    m = tl.max(x, 1)
+    idx = tl.min(tl.where(x == m[:, None], cols[None, :], 2147483647), 1)
+    at = rows * blocks + blk
+    tl.store(stats[0] + at, m, mask=r_mask)
+    tl.store(stats[1] + at, idx, mask=r_mask)
+    tl.store(stats[2] + at, tl.sum(tl.exp(x - m[:, None]), 1), mask=r_mask)
 
 
 @triton.jit
-def _accepted(tokens, parents, choice_s, N, BN: tl.constexpr, CHAIN: tl.constexpr):
+def _block_stats(stats, N, BLOCKS, BNODES: tl.constexpr, BB: tl.constexpr):
+    """`_head_stats`' rows as [BNODES, BB] tiles (m, idx, s), node by block; -inf past them."""
+    r = tl.arange(0, BNODES)
+    b = tl.arange(0, BB)
+    at = r[:, None] * BLOCKS + b[None, :]
+    ok = (r < N)[:, None] & (b < BLOCKS)[None, :]
+    m = tl.load(stats[0] + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    idx = tl.load(stats[1] + at, mask=ok, other=2147483647, cache_modifier=".cg")
+    s = tl.load(stats[2] + at, mask=ok, other=0.0, cache_modifier=".cg")
+    return m, idx, s
+
+
+@triton.jit
+def _choices(stats, N, BLOCKS, BNODES: tl.constexpr, BB: tl.constexpr):
+    """Each node's argmax [BNODES] int64 (the first of equal maxima, as torch's): the lowest
+    column among the blocks whose maximum is the row's; 0 past the N nodes."""
+    m, idx, _ = _block_stats(stats, N, BLOCKS, BNODES, BB)
+    top = tl.max(m, 1)
+    first = tl.min(tl.where(m == top[:, None], idx, 2147483647), 1).to(tl.int64)
+    return tl.where(tl.arange(0, BNODES) < N, first, 0)
+
+
+@triton.jit
+def _log_sum_exp(stats, N, BLOCKS, BNODES: tl.constexpr, BB: tl.constexpr):
+    """Each node's log-sum-exp of its logits [BNODES], the blocks' sums merged in block order."""
+    m, _, s = _block_stats(stats, N, BLOCKS, BNODES, BB)
+    top = tl.max(m, 1)
+    return top + tl.log(tl.sum(tl.where(s > 0, s * tl.exp(m - top[:, None]), 0.0), 1))
+
+
+@triton.jit
+def _accepted(tokens, parents, choice, N, BN: tl.constexpr, CHAIN: tl.constexpr):
     """(a, end, bonus, path [BN]): the accepted drafts, the last accepted node, the target's
-    choice there and the accepted nodes root first (0 past them). The walk from the root
-    takes the first child (in node order) whose token is the target's choice at its parent;
-    in a chain that is the leading drafts equal to the choice before them."""
+    choice there and the accepted nodes root first (0 past them), from each node's choice
+    [BN]. The walk from the root takes the first child (in node order) whose token is the
+    target's choice at its parent; in a chain that is the leading drafts equal to the choice
+    before them."""
     o = tl.arange(0, BN)
-    choice = tl.load(choice_s + o, mask=o < N, other=0, cache_modifier=".cg")
     if CHAIN:
         drafted = tl.load(tokens + o + 1, mask=o + 1 < N, other=-1, cache_modifier=".cg")
         stops = (o + 1 >= N) | (drafted != choice)
@@ -122,8 +143,7 @@ def _accepted(tokens, parents, choice_s, N, BN: tl.constexpr, CHAIN: tl.constexp
     else:
         par = tl.load(parents + o, mask=o < N, other=-1)
         tok = tl.load(tokens + o, mask=o < N, other=-1, cache_modifier=".cg")
-        at_parent = tl.load(choice_s + tl.maximum(par, 0), mask=(o < N) & (par >= 0), other=-1,
-                            cache_modifier=".cg")
+        at_parent = tl.where(par >= 0, _pick(choice, o, tl.maximum(par, 0)), -1)
         match = (o > 0) & (o < N) & (par >= 0) & (tok >= 0) & (tok == at_parent)
         a = tl.zeros([], dtype=tl.int32)
         end = tl.zeros([], dtype=tl.int32)
@@ -184,11 +204,13 @@ def _conv_unit(cache, conv_in, l, blk, a, path, o_path, N, C: tl.constexpr, W: t
 
 
 @triton.jit
-def _bookkeep_unit(tokens, parents, logits, choice_s, prob_s, a, end, bonus, path, o_path, N, VOCAB, P, pos, step,
-                   out, out_len, acc, acc_len, last, result, log_tokens, log_parents, log_choice, log_prob,
-                   log_result, log_steps, log_nodes, cont, cont_len, div, gap, ORACLE: tl.constexpr,
-                   BNODES: tl.constexpr, BP: tl.constexpr):
-    """The output tokens, counters, next root and step-log row of an accepted path."""
+def _bookkeep_unit(tokens, parents, logits, choice, choice_s, prob_s, stats, BLOCKS, a, end, bonus, path, o_path, N,
+                   VOCAB, P, pos, step, out, out_len, acc, acc_len, last, result, log_tokens, log_parents, log_choice,
+                   log_prob, log_result, log_steps, log_nodes, cont, cont_len, div, gap, ORACLE: tl.constexpr,
+                   BNODES: tl.constexpr, BP: tl.constexpr, BB: tl.constexpr):
+    """The output tokens, counters, next root and step-log row of an accepted path; each
+    node's choice, and the target's probability of each node's token at its parent (0 for a
+    dummy token), into the scratch rows choice_s and prob_s too."""
     s = tl.load(step)
     p0 = tl.load(pos)
     row = tl.minimum(s, log_steps - 1)
@@ -196,11 +218,17 @@ def _bookkeep_unit(tokens, parents, logits, choice_s, prob_s, a, end, bonus, pat
     node = r < N
     fits = r < log_nodes
     tok = tl.load(tokens + r, mask=node, other=-1, cache_modifier=".cg")
+    par = tl.load(parents + r, mask=node, other=-1)
     tl.store(log_tokens + row * log_nodes + r, tok, mask=fits)
-    tl.store(log_parents + row * log_nodes + r, tl.maximum(tl.load(parents + r, mask=node, other=0), 0), mask=fits)
-    tl.store(log_choice + row * log_nodes + r, tl.load(choice_s + r, mask=node, other=0, cache_modifier=".cg"),
-             mask=fits)
-    prob = tl.load(prob_s + r, mask=node & (r > 0), other=0.0, cache_modifier=".cg")
+    tl.store(log_parents + row * log_nodes + r, tl.maximum(par, 0), mask=fits)
+    tl.store(choice_s + r, choice, mask=node)
+    tl.store(log_choice + row * log_nodes + r, choice, mask=fits)
+    child = node & (r > 0) & (par >= 0) & (tok >= 0)
+    at = tl.maximum(par, 0)
+    logit = tl.load(logits + at * VOCAB + tl.maximum(tok, 0), mask=child, other=0.0, cache_modifier=".cg")
+    lse = _pick(_log_sum_exp(stats, N, BLOCKS, BNODES, BB), r, at)
+    prob = tl.where(child, tl.exp(logit - lse), 0.0)
+    tl.store(prob_s + r, prob, mask=node & (r > 0))
     tl.store(log_prob + row * log_nodes + r, tl.where(r == 0, 1.0, prob), mask=fits)
     d = tl.arange(0, BP)                        # BP >= 3 + P: the result row fits too
     d_ok = d < P
@@ -233,16 +261,19 @@ def _bookkeep_unit(tokens, parents, logits, choice_s, prob_s, a, end, bonus, pat
 
 
 @triton.jit
-def _accept_phase(tokens, parents, logits, root, k_f, g_f, delta_f, conv_in, pk, pd, pg, cache, choice_s, prob_s,
-                  N, P, pos, step, out, out_len, acc, acc_len, last, result, log_tokens, log_parents, log_choice,
-                  log_prob, log_result, log_steps, log_nodes, cont, cont_len, div, gap, pid, programs,
-                  L: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
-                  VOCAB: tl.constexpr, ORACLE: tl.constexpr, BNODES: tl.constexpr, BP: tl.constexpr,
-                  BC: tl.constexpr, BW: tl.constexpr, BHK: tl.constexpr, BHV: tl.constexpr, BH: tl.constexpr,
-                  CHAIN: tl.constexpr):
-    """Phase 2 (after phase 1's `_node_stats` and a barrier): the acceptance, the commit,
-    the conv window and the bookkeeping, units dealt round-robin."""
-    a, end, bonus, path = _accepted(tokens, parents, choice_s, N, BNODES, CHAIN)
+def _accept_phase(tokens, parents, logits, stats, BLOCKS, root, k_f, g_f, delta_f, conv_in, pk, pd, pg, cache,
+                  choice_s, prob_s, N, P, pos, step, out, out_len, acc, acc_len, last, result, log_tokens,
+                  log_parents, log_choice, log_prob, log_result, log_steps, log_nodes, cont, cont_len, div, gap,
+                  pid, programs, L: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                  W: tl.constexpr, VOCAB: tl.constexpr, ORACLE: tl.constexpr, BNODES: tl.constexpr,
+                  BP: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr, BHK: tl.constexpr, BHV: tl.constexpr,
+                  BH: tl.constexpr, BB: tl.constexpr, CHAIN: tl.constexpr):
+    """The phase after the LM head's (whose column blocks left `_head_stats`, then a
+    barrier): every program merges the blocks' maxima into the nodes' choices and finds the
+    accepted path; then the commit, the conv window and the bookkeeping, units dealt
+    round-robin."""
+    choice = _choices(stats, N, BLOCKS, BNODES, BB)
+    a, end, bonus, path = _accepted(tokens, parents, choice, N, BNODES, CHAIN)
     o_path = tl.arange(0, BNODES)
     C: tl.constexpr = H * (2 * K + V)
     CONV_BLOCKS: tl.constexpr = (C + BC - 1) // BC
@@ -257,7 +288,8 @@ def _accept_phase(tokens, parents, logits, root, k_f, g_f, delta_f, conv_in, pk,
             u = unit - commits
             _conv_unit(cache, conv_in, u // CONV_BLOCKS, u % CONV_BLOCKS, a, path, o_path, N, C, W, BC, BW)
         else:
-            _bookkeep_unit(tokens, parents, logits, choice_s, prob_s, a, end, bonus, path, o_path, N, VOCAB, P, pos,
-                           step, out, out_len, acc, acc_len, last, result, log_tokens, log_parents, log_choice,
-                           log_prob, log_result, log_steps, log_nodes, cont, cont_len, div, gap, ORACLE, BNODES, BP)
+            _bookkeep_unit(tokens, parents, logits, choice, choice_s, prob_s, stats, BLOCKS, a, end, bonus, path,
+                           o_path, N, VOCAB, P, pos, step, out, out_len, acc, acc_len, last, result, log_tokens,
+                           log_parents, log_choice, log_prob, log_result, log_steps, log_nodes, cont, cont_len, div,
+                           gap, ORACLE, BNODES, BP, BB)
             tl.store(root, bonus.to(tl.int64))

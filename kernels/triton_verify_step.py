@@ -26,7 +26,8 @@ acceptance on the H200 against 158 for a chain of 8 (benchmarks/results/h200/ses
                E   SwiGLU + down projection
     then       F   residual add + final RMSNorm + LM head (fp32 logits), the normed rows and
                    the last layer's feature rows
-    (greedy)   two phases of acceptance (`triton_chain_accept.py`)
+    (greedy)   F's column units also leave each row's block maxima; one phase of acceptance
+               (`triton_chain_accept.py`)
 
 On the H200 (benchmarks/results/h200/session16/) a chain of 8 took ~150 us in one launch
 against ~169 us for the 45 per-op launches: each phase cost 3-6 us, about what a launch did,
@@ -49,7 +50,7 @@ import triton.language as tl
 from kernels import carveout
 from kernels.pdl import grid_arrive, grid_wait, phase_us, stamp
 from kernels.reference import DecodeWeights
-from kernels.triton_chain_accept import ChainAccept, _accept_phase, _node_stats, accept_tiles
+from kernels.triton_chain_accept import ChainAccept, _accept_phase, _head_stats, accept_tiles
 from kernels.triton_conv_gates import _log_decay_and_beta
 from kernels.triton_decode_step import check_decode_weights, resident_programs
 from kernels.triton_projection import (_dot_mode, _dot_slice, _input_block, _row_rstd, _split_reduce,
@@ -76,7 +77,7 @@ FOLD_IN_A = True
 def _rows_phase(src, w, y, y_stride, M, N, K, eps, pid, programs, sync, dtype: tl.constexpr,
                 PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SWISH: tl.constexpr, HEAD: tl.constexpr,
                 DOT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                SPLIT: tl.constexpr, split_sums):
+                SPLIT: tl.constexpr, split_sums, STATS: tl.constexpr = False, stats=None):
     """y[:M] = prologue(src) @ w.T [M, N], units of (column block, K slice) dealt round-robin;
     the column-0 block also writes x + residual (PROLOGUE 0 with HAS_RES, each K slice its
     part). A program's first unit loads its first weight tile, then waits at the barrier
@@ -84,7 +85,8 @@ def _rows_phase(src, w, y, y_stride, M, N, K, eps, pid, programs, sync, dtype: t
     others have not finished). SPLIT > 1: K slices of BK columns, whose fp32 partials the
     last slice of a column block to finish sums in slice order (`_split_reduce`, with
     `split_sums` = (partials, counters)); each program then recomputes the prologue over
-    BK columns, not K: the prologue, redone by every program, is what a wide K costs."""
+    BK columns, not K: the prologue, redone by every program, is what a wide K costs.
+    STATS (SPLIT 1): each column block's row maxima for the acceptance (`_head_stats`)."""
     rows = tl.arange(0, BM)
     blocks = tl.cdiv(N, BN)
     for unit in range(pid, blocks * SPLIT, programs):
@@ -101,6 +103,8 @@ def _rows_phase(src, w, y, y_stride, M, N, K, eps, pid, programs, sync, dtype: t
         y_ptrs = y + rows[:, None] * y_stride + cols[None, :]
         if SPLIT == 1:
             tl.store(y_ptrs, acc.to(y.dtype.element_ty), mask=out_mask)
+            if STATS:
+                _head_stats(acc, rows, rows < M, cols, c_mask, blk, blocks, stats)
         else:
             _split_reduce(acc, split_sums[0], split_sums[1] + blk, y_ptrs, rows[:, None] * N + cols[None, :],
                           out_mask, part, M * N, SPLIT)
@@ -223,7 +227,7 @@ def _copy_rows(src, dst, dst_stride, M, pid, programs, D: tl.constexpr, BD: tl.c
 def _chain_verify_kernel(
         tokens, root, embed, zeros, attn_norm, w_in, conv_w, conv_b, neg_A, dt_bias, o_norm, w_o, mlp_norm,
         w_gu, w_down, final_norm, lm_head, cache, S, pk, pd, pg, P, index, parents, feat_slot,
-        logits, hidden, features, k_f, g_f, delta_f, conv_in_f,
+        logits, hidden, features, k_f, g_f, delta_f, conv_in_f, stat_m, stat_i, stat_s,
         x_emb, res_a, res_b, x_buf, y_in, q_raw, k_raw, v_s, beta_s, o_buf, gu_buf, partials, block_counters, counter, status,
         times, N, eps, scale,
         choice_s, prob_s, pos, step, out, out_len, acc, acc_len, last, result, log_tokens, log_parents,
@@ -235,7 +239,7 @@ def _chain_verify_kernel(
         BN_HEAD: tl.constexpr, BK_D: tl.constexpr, BK_O: tl.constexpr, BK_I: tl.constexpr, BD: tl.constexpr,
         BK_IN: tl.constexpr, BH_IN: tl.constexpr, BW: tl.constexpr, PBK: tl.constexpr, PBV: tl.constexpr,
         SPLIT_O: tl.constexpr, SPLIT_DOWN: tl.constexpr, TIMED: tl.constexpr, ACCEPT: tl.constexpr,
-        ORACLE: tl.constexpr, BVOC: tl.constexpr, BNODES: tl.constexpr, BP: tl.constexpr, BC: tl.constexpr,
+        ORACLE: tl.constexpr, BB: tl.constexpr, BNODES: tl.constexpr, BP: tl.constexpr, BC: tl.constexpr,
         BHK: tl.constexpr, BHV: tl.constexpr, BH: tl.constexpr, CHAIN: tl.constexpr, FOLD_IN_A: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -320,8 +324,10 @@ def _chain_verify_kernel(
 
     # F: final norm + LM head (fp32 logits); the normed rows and the last layer's features
     src = (x_buf, D, res_b, D, res_a, zeros, 0, final_norm)
+    stats = (stat_m, stat_i, stat_s)
     _rows_phase(src, lm_head, logits, VOCAB, N, VOCAB, D, eps, pid, programs,
-                (counter, phase * programs, status), dtype, 0, True, SWISH, 1, DOT, BM, BN_HEAD, BK_D, 1, sums)
+                (counter, phase * programs, status), dtype, 0, True, SWISH, 1, DOT, BM, BN_HEAD, BK_D, 1, sums,
+                ACCEPT, stats)
     last_slot = tl.load(feat_slot + L - 1)
     for r in range(pid, N, programs):
         row = r + tl.arange(0, 1)
@@ -334,20 +340,15 @@ def _chain_verify_kernel(
             summed = _summed_input(src, row, ok, o_d, d_mask, True)
             tl.store(features + (r * F + last_slot) * D + o_d[None, :], summed.to(dtype), mask=d_mask[None, :])
     stamp(times, phase, pid, programs, TIMED)
-    if ACCEPT:      # greedy acceptance (`triton_chain_accept.py`): two more phases
+    if ACCEPT:      # greedy acceptance (`triton_chain_accept.py`): one more phase
         grid_arrive(counter)
         phase += 1
         grid_wait(counter, phase * programs, status)
-        for r in range(pid, N, programs):
-            _node_stats(logits, tokens, parents, choice_s, prob_s, r, N, VOCAB, BVOC, BNODES)
-        stamp(times, phase, pid, programs, TIMED)
-        grid_arrive(counter)
-        phase += 1
-        grid_wait(counter, phase * programs, status)
-        _accept_phase(tokens, parents, logits, root, k_f, g_f, delta_f, conv_in_f, pk, pd, pg, cache, choice_s,
-                      prob_s, N, P, pos, step, out, out_len, acc, acc_len, last, result, log_tokens, log_parents,
-                      log_choice, log_prob, log_result, log_steps, log_nodes, cont, cont_len, div, gap, pid, programs,
-                      L, H, K, V, W, VOCAB, ORACLE, BNODES, BP, BC, BW, BHK, BHV, BH, CHAIN)
+        _accept_phase(tokens, parents, logits, stats, tl.cdiv(VOCAB, BN_HEAD), root, k_f, g_f, delta_f, conv_in_f,
+                      pk, pd, pg, cache, choice_s, prob_s, N, P, pos, step, out, out_len, acc, acc_len, last, result,
+                      log_tokens, log_parents, log_choice, log_prob, log_result, log_steps, log_nodes, cont, cont_len,
+                      div, gap, pid, programs, L, H, K, V, W, VOCAB, ORACLE, BNODES, BP, BC, BW, BHK, BHV, BH, BB,
+                      CHAIN)
         stamp(times, phase, pid, programs, TIMED)
     # the last arrival re-arms the counter: every program has left every wait by then
     last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
@@ -444,10 +445,14 @@ class PersistentChainVerify:
         split = max(self.blocks["SPLIT_O"], self.blocks["SPLIT_DOWN"])
         self.partials = torch.zeros(split * n * D, **f32)
         self.block_counters = torch.zeros(triton.cdiv(D, 16), device=dev, dtype=torch.int32)
+        # the LM head's column blocks' row maxima, first columns and sums (`_head_stats`)
+        self.head_blocks = triton.cdiv(self.shape["VOCAB"], self.blocks["BN_HEAD"])
+        self.stats = (torch.zeros(n, self.head_blocks, **f32), torch.zeros(n, self.head_blocks, device=dev,
+                      dtype=torch.int32), torch.zeros(n, self.head_blocks, **f32))
         self.dot = _dot_mode(self.dtype)
         self.launch = dict(num_warps=num_warps, num_stages=num_stages)
-        self.times = torch.zeros(5 * L + 4, self.programs, device=dev, dtype=torch.int64) if timed else None
-        self.phases = 5 * L + 2             # the last call's (two more with acceptance)
+        self.times = torch.zeros(5 * L + 3, self.programs, device=dev, dtype=torch.int64) if timed else None
+        self.phases = 5 * L + 2             # the last call's (one more with acceptance)
 
     def __call__(self, tokens: torch.Tensor, root: torch.Tensor, cache: torch.Tensor, S: torch.Tensor,
                  pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, logits: torch.Tensor,
@@ -499,16 +504,16 @@ class PersistentChainVerify:
             if pending is None:
                 raise ValueError("chain verify: acceptance in the launch defers its commit: give the pending buffers")
             accept.check(n, pk.shape[2])
-        tiles = accept_tiles(n, pk.shape[2], H, K, V, s["VOCAB"])
+        tiles = accept_tiles(n, pk.shape[2], H, K, V, self.head_blocks)
         accept_args = accept.args() if accept is not None else ChainAccept.unused(self.counter)
-        self.phases = 5 * L + 2 + (2 if accept is not None else 0)
+        self.phases = 5 * L + 2 + (1 if accept is not None else 0)
         wt = self.weights
         compiled = _chain_verify_kernel[(self.programs,)](
             tokens, root, wt.embed, self.zeros, wt.attn_norm, wt.w_in, wt.conv_w,
             wt.conv_b if wt.conv_b is not None else wt.conv_w, wt.neg_A, wt.dt_bias, wt.o_norm, wt.w_o,
             wt.mlp_norm, wt.w_gate_up, wt.w_down, wt.final_norm, wt.lm_head, cache, S, pk, pd, pg,
             pk.shape[2] if pending is not None else 0, index, parents, self.feat_slot,
-            logits, hidden, features if features is not None else hidden, k_f, g_f, delta_f, conv_in_f,
+            logits, hidden, features if features is not None else hidden, k_f, g_f, delta_f, conv_in_f, *self.stats,
             self.x_emb, self.res_a, self.res_b, self.x, self.y_in, self.q, self.k, self.v, self.beta, self.o,
             self.gate_up, self.partials, self.block_counters, self.counter, self.status,
             self.times if self.times is not None else self.counter,
