@@ -28,6 +28,7 @@
 # drafter-speed (the block drafter in assets/ against OTHER_BLOCK on 20 held-out prompts),
 # phase-floor (benchmarks/phase_floor.cu: a dependent phase joined by a grid barrier or a cluster's),
 # l2-sides (benchmarks/l2_sides.cu: whether the SM that reads a tile keeps it in L2; options in L2_SIDES_ARGS),
+# kernels-ab (the embedded pair with this tree's kernels against BASE_TREE's, an earlier commit's; T_KERNELS_AB),
 # target (a second training stage of the embedded target from assets/target; needs data/corpus). Needs the
 # pure-Python wheels in .whl/ (see benchmarks/README.md). Results land in $OUT/results
 # (default /tmp/specla-out/results); a stage's time limit is its T_<STAGE> variable.
@@ -281,6 +282,16 @@ for stage in "$@"; do
         lc_speed lc_drafter_other "${T_DRAFTER_SPEED:-150}"
         cp /tmp/assets_block/* assets/drafters/block/
       fi ;;
+    kernels-ab) # issue #15: the embedded pair's measured preset with this tree's kernels and with BASE_TREE's
+      # (a carried `git archive <commit> kernels benchmarks tests specla conftest.py pytest.ini` unpacked under
+      # runs/, its assets and prompts linked from here), one after the other on this machine, AB_ROUNDS times
+      base=${BASE_TREE:-runs/base}
+      ln -sfn "$PWD/assets" "$base/assets" && mkdir -p "$base/data" && ln -sfn "$PWD/data/corpus" "$base/data/corpus"
+      for round in $(seq "${AB_ROUNDS:-1}"); do
+        pair_speed "lc_ab_new$round" "${T_KERNELS_AB:-300}" --ops fused; tail -2 "$R/log_lc_ab_new$round.txt"
+        (cd "$base" && R=$R PYTHONPATH=/tmp/site:$PWD pair_speed "lc_ab_base$round" "${T_KERNELS_AB:-300}" --ops fused)
+        tail -2 "$R/log_lc_ab_base$round.txt"
+      done ;;
     target) # the exported weights are too big for the results archive: they go to $OUT/target
       timeout "${T_TARGET:-560}" python3 -m specla.train target --data data/corpus --out /tmp/target2 \
         --backend torch --tokenizer '' --init assets/target \
