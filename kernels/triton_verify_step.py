@@ -113,20 +113,24 @@ def _rows_phase(src, w, y, y_stride, M, N, K, eps, pid, programs, sync, dtype: t
 
 
 @triton.jit
-def _conv_tile(conv_in, window, index, weight, bias, rows, r_mask, cols, c_mask, C, dtype: tl.constexpr,
-               W: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _conv_tile(x, window, index, weight, bias, rows, r_mask, cols, c_mask, dtype: tl.constexpr, W: tl.constexpr,
+               HAS_BIAS: tl.constexpr):
     """SiLU(conv) [BM, BN] of the nodes `rows` for channels `cols` (fp32, rounded once to
-    dtype, as `triton_conv_gates._node_conv`): conv_in [N, C] holds the nodes' conv inputs,
-    window [C, W] the committed slots 1..W-1, index [N, W] each node's positions in them."""
+    dtype, as `triton_conv_gates._node_conv`): x [BM, BN] holds the nodes' conv inputs (the
+    projection's tile, rounded to dtype), window [C, W] the committed slots 1..W-1, index
+    [N, W] each node's positions in [slots 1..W-1, nodes]. A tap's input from another node is
+    picked from x by a 0/1 product, exact in fp32, so the tile takes no round trip through
+    memory; the window's loads depend on nothing this launch writes."""
     out = tl.zeros([rows.shape[0], cols.shape[0]], dtype=tl.float32)
     for w in tl.static_range(W):
         pos = tl.load(index + rows * W + w, mask=r_mask, other=0)[:, None]
-        live = r_mask[:, None] & c_mask[None, :]
         in_window = pos < W - 1
-        old = tl.load(window + cols[None, :] * W + 1 + pos, mask=live & in_window, other=0.0)
-        new = tl.load(conv_in + (pos - (W - 1)) * C + cols[None, :], mask=live & (pos >= W - 1), other=0.0)
+        old = tl.load(window + cols[None, :] * W + 1 + pos, mask=r_mask[:, None] & c_mask[None, :] & in_window,
+                      other=0.0)
+        pick = (pos - (W - 1) == rows[None, :]).to(tl.float32)
+        new = tl.dot(pick, x, input_precision="ieee")
         tap = tl.load(weight + cols * W + w, mask=c_mask, other=0.0).to(tl.float32)
-        out += tl.where(in_window, old.to(tl.float32), new.to(tl.float32)) * tap[None, :]
+        out += tl.where(in_window, old.to(tl.float32), new) * tap[None, :]
     if HAS_BIAS:
         out += tl.load(bias + cols, mask=c_mask, other=0.0).to(tl.float32)[None, :]
     out = out * tl.sigmoid(out)
@@ -174,8 +178,8 @@ def _in_proj_conv_phase(src, w_in, y_in, N_IN, M, D, eps, pid, programs, sync, w
         tile = r_mask[:, None] & c_mask[None, :]
         if unit < CONV_BLOCKS:        # conv inputs, then the conv over the chain (blocks never straddle q, k, v)
             tl.store(conv_in + rows[:, None] * C + cols[None, :], acc.to(dtype), mask=tile)
-            tl.debug_barrier()
-            x = _conv_tile(conv_in, window, index, conv_w, conv_b, rows, r_mask, cols, c_mask, C, dtype, W, HAS_BIAS)
+            x = _conv_tile(acc.to(dtype).to(tl.float32), window, index, conv_w, conv_b, rows, r_mask, cols, c_mask,
+                           dtype, W, HAS_BIAS)
             if col0 < H * K:
                 tl.store(q_raw + rows[:, None] * H * K + cols[None, :], x, mask=tile)
             elif col0 < 2 * H * K:
