@@ -174,7 +174,8 @@ def verify_launches(pending: int = 8) -> list[tuple[str, tuple]]:
 def persistent_launches() -> list[tuple[str, tuple]]:
     """(case, launch) for the three persistent kernels of the embedded pair's speculative step
     in bf16, as a GPU runs them: the AR step, the 16-node verification with acceptance (random
-    weights of the embedded shape) and the block drafter's draft (assets/, on the CPU)."""
+    weights of the embedded shape) and the block drafter's draft (assets/, on the CPU), also
+    growing a best-first tree in the launch."""
     from kernels import triton_decode_step, triton_draft_step
     from specla import runner
     from specla.drafters.base import DraftSettings
@@ -201,6 +202,19 @@ def persistent_launches() -> list[tuple[str, tuple]]:
                                                         dev.parts.norm_eps, programs=132)
         out.append(("block draft (assets/)", recorded_launches(lambda: check_block_draft(dev, kernel),
                                                                ["_block_draft_kernel"], triton_draft_step)[0]))
+        # the same draft growing a best-first tree of 16 nodes over top-8 candidates in the launch
+        S, k, n, z = dev.slots, 8, 16, torch.zeros
+        tree_kernel = triton_draft_step.PersistentBlockDraft(
+            draft_weights(dev.net, dev.parts), c.heads, c.window, c.block_size, S, k, dev.net.norm.eps,
+            dev.parts.norm_eps, programs=132)
+        long = dict(dtype=torch.long)
+        tree = triton_draft_step.TreeOut(z(n, **long), z(n, **long), z(n, 4, **long), z(1, **long), z(4, S, k, **long),
+                                         z(4, S, k), z(4, n))
+        args = (z(1, **long), torch.tensor([-1, 0, 0] + [0] * c.block_size), None, dev.ctx, dev.valid, dev.kv_stack,
+                z(c.block_size - 1, c.width, dtype=torch.bfloat16), z(c.block_size - 1, dev.parts.vocab_size),
+                z(S, k, **long), z(S, k))
+        out.append(("block draft, best-first tree of 16 (assets/)", recorded_launches(
+            lambda: tree_kernel(*args, tree), ["_block_draft_kernel"], triton_draft_step)[0]))
     return out
 
 

@@ -379,17 +379,120 @@ def _chain_out(cand, cand_logp, r, slots, chain, n_chain, flat, step, log_cand, 
 
 
 @triton.jit
+def _gather(values, slot, at):
+    """values[at] for a register vector `values` indexed by `slot`, at positions `at` (any
+    shape [A]); 0 where no slot matches."""
+    return tl.sum(tl.where(at[:, None] == slot[None, :], values[None, :], 0), 1)
+
+
+@triton.jit
+def _best_first_tree(cand, cand_logp, slots, pairs, tokens, parents, conv_index, draft_logp, logp_scale,
+                     TOPK: tl.constexpr, NODES: tl.constexpr, CONV: tl.constexpr, BF: tl.constexpr,
+                     BC: tl.constexpr):
+    """`specla.graphs.trees.grow_tree`'s best-first search over static rows (the slots'
+    top-TOPK candidates, best first: the block drafter's), with NODES - 1 nodes, in one
+    program: the tree's tokens (node 0, the root, not written; -1 for a dummy node), parents
+    (-1 at the root), the conv window index `SpecTopology.rebuild` derives from them, and
+    each node's log-prob times logp_scale into the step log's row draft_logp.
+
+    A depth's children are the frontier's B = NODES - 1 slots times TOPK, in grow_tree's pool
+    order; a child's rank among them (score desc, then index) gives the next frontier, and
+    merged with the selection so far (earlier depths first on equal scores) the best B of
+    everything grown, kept in rank order. Every rank is a count of the entries that beat an
+    entry ([BC, BC] compares), so no sort is needed. The frontier is in rank order and each
+    slot's candidates best first, so child (f, c) is beaten by every (f' <= f, c' <= c): only
+    the `pairs` (`tree_pairs`: flat indices f * TOPK + c with (f + 1)(c + 1) <= B, -1 past
+    them) can rank among the best B, and they are all that is compared."""
+    B: tl.constexpr = NODES - 1
+    NEG: tl.constexpr = float("-inf")
+    fq = tl.arange(0, BF)                       # frontier and selection slots
+    f_score = tl.where(fq == 0, 0.0, NEG)       # the root, pool index 0, starts the frontier
+    f_alive = fq == 0
+    f_pool = tl.zeros([BF], dtype=tl.int32)
+    s_score = tl.full([BF], NEG, tl.float32)     # the selection, in rank order
+    s_depth = tl.zeros([BF], dtype=tl.int32)
+    s_pool = tl.zeros([BF], dtype=tl.int32)
+    s_parent = tl.zeros([BF], dtype=tl.int32)
+    s_tok = tl.zeros([BF], dtype=tl.int64)
+    s_lp = tl.zeros([BF], dtype=tl.float32)
+    s_alive = tl.zeros([BF], dtype=tl.int32)
+    i = tl.load(pairs + tl.arange(0, BC))       # a depth's children: frontier slot i // TOPK, rank i % TOPK
+    child = i >= 0
+    f_of = tl.where(child, i // TOPK, BF)
+    c_of = tl.where(child, i % TOPK, 0)
+    for d in range(slots):
+        lp = tl.load(cand_logp + d * TOPK + c_of, mask=child, other=NEG, cache_modifier=".cg")
+        tok = tl.load(cand + d * TOPK + c_of, mask=child, other=0, cache_modifier=".cg")
+        alive = child & (_gather(f_alive.to(tl.int32), fq, f_of) != 0) & (lp > NEG)
+        score = tl.where(alive, _gather(f_score, fq, f_of) + lp, NEG)
+        pool = 1 + d * B * TOPK + i
+        parent = _gather(f_pool, fq, f_of)
+        # rank among the depth's children: j beats i on a higher score, or an equal one earlier
+        beats = child[:, None] & ((score[:, None] > score[None, :])
+                                  | ((score[:, None] == score[None, :]) & (i[:, None] < i[None, :])))
+        rank = tl.sum(beats.to(tl.int32), 0)
+        # the next frontier: slot q takes the child of rank q (dead children pad it)
+        take = rank[None, :] == fq[:, None]
+        f_alive = (tl.sum(tl.where(take & alive[None, :], 1, 0), 1) > 0) & (fq < B)
+        f_score = tl.where(f_alive, tl.sum(tl.where(take, score[None, :], 0.0), 1), NEG)
+        f_pool = tl.sum(tl.where(take, pool[None, :], 0), 1)
+        # merged ranks: a kept entry (an earlier depth) beats a child on an equal score
+        kept = (fq < B) & (d > 0)
+        g_child = rank + tl.sum((kept[:, None] & (s_score[:, None] >= score[None, :])).to(tl.int32), 0)
+        g_kept = fq + tl.sum((child[None, :] & (score[None, :] > s_score[:, None])).to(tl.int32), 1)
+        k_take = kept[None, :] & (g_kept[None, :] == fq[:, None])           # [slot, kept entry]
+        c_take = child[None, :] & (g_child[None, :] == fq[:, None])         # [slot, child]
+        s_score = (tl.sum(tl.where(k_take, s_score[None, :], 0.0), 1)
+                   + tl.sum(tl.where(c_take, score[None, :], 0.0), 1))
+        s_depth = tl.sum(tl.where(k_take, s_depth[None, :], 0), 1) + tl.sum(tl.where(c_take, d + 1, 0), 1)
+        s_pool = tl.sum(tl.where(k_take, s_pool[None, :], 0), 1) + tl.sum(tl.where(c_take, pool[None, :], 0), 1)
+        s_parent = (tl.sum(tl.where(k_take, s_parent[None, :], 0), 1)
+                    + tl.sum(tl.where(c_take, parent[None, :], 0), 1))
+        s_tok = tl.sum(tl.where(k_take, s_tok[None, :], 0), 1) + tl.sum(tl.where(c_take, tok[None, :], 0), 1)
+        s_lp = tl.sum(tl.where(k_take, s_lp[None, :], 0.0), 1) + tl.sum(tl.where(c_take, lp[None, :], 0.0), 1)
+        s_alive = (tl.sum(tl.where(k_take, s_alive[None, :], 0), 1)
+                   + tl.sum(tl.where(c_take, alive.to(tl.int32)[None, :], 0), 1))
+    # tree order: depth, then score desc, then pool index; dummies (dead entries) last
+    real = (s_alive != 0) & (fq < B)
+    t_depth = tl.where(real, s_depth, 1 << 20)
+    t_score = tl.where(real, s_score, NEG)
+    before = (fq < B)[:, None] & ((t_depth[:, None] < t_depth[None, :])
+                                  | ((t_depth[:, None] == t_depth[None, :]) & (t_score[:, None] > t_score[None, :]))
+                                  | ((t_depth[:, None] == t_depth[None, :]) & (t_score[:, None] == t_score[None, :])
+                                     & (s_pool[:, None] < s_pool[None, :])))
+    out = fq < B
+    node = tl.where(out, 1 + tl.sum(before.to(tl.int32), 0), -1)           # [slot]; -1 past the B kept
+    # a parent's node: the root (pool index 0) or the selected entry of that pool index
+    par = tl.where(real, _gather(node, tl.where(out, s_pool, -1), s_parent), 0)
+    tl.store(tokens + node, tl.where(real, s_tok, -1), mask=out)
+    tl.store(parents + node, par.to(tl.int64), mask=out)
+    tl.store(draft_logp + node, tl.where(real, s_lp, 0.0) * logp_scale, mask=out)
+    # node-indexed parents and depths (a dummy hangs off the root: depth 1), then the conv index
+    n = tl.arange(0, BF)
+    n_par = _gather(par, node, n)                                           # the root: 0
+    n_depth = tl.where(n == 0, 0, _gather(tl.where(real, s_depth, 1), node, n))
+    tl.store(parents, -1)
+    hop = n
+    for h in tl.static_range(CONV):             # tap CONV - 1 - h: h generations up, or a window slot
+        w = CONV - 1 - h
+        col = tl.where(n_depth >= h, CONV - 1 + hop, n_depth + w)
+        tl.store(conv_index + n * CONV + w, col.to(tl.int64), mask=n < NODES)
+        hop = _gather(n_par, n, hop)
+
+
+@triton.jit
 def _block_draft_kernel(
         root, result, P, features, fc, ctx_norm, in_proj, mask_emb, attn_norm, w_qkv, qk_norm, w_o, mlp_norm,
         w_gate_up, w_down, norm, out_proj, embed, final_norm, lm_head, rope_cos, rope_sin,
         ctx, valid, kv, ctx_next, valid_next, kv_next, fc_out, x_a, x_b, qkv, part_o, part_d, y_buf,
         h_out, logits, cand, cand_logp, counter, status, slots, VOCAB, eps, target_eps, scale,
         chain, n_chain, flat, step, log_cand, log_cand_logp, log_draft_logp, log_steps, log_nodes, logp_scale,
-        D: tl.constexpr, FD: tl.constexpr, WD: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr,
+        parents, conv_index, pair_index, tree_counter, D: tl.constexpr, FD: tl.constexpr, WD: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr,
         LD: tl.constexpr, MH: tl.constexpr, W: tl.constexpr, B: tl.constexpr, TOPK: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr,
         BH: tl.constexpr, BN_HEAD: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, CHAIN: tl.constexpr,
-        BK_TOP: tl.constexpr, BNODES: tl.constexpr):
+        BK_TOP: tl.constexpr, BNODES: tl.constexpr, TREE: tl.constexpr = False, TREE_NODES: tl.constexpr = 1,
+        CONV: tl.constexpr = 1, BF: tl.constexpr = 1, BC: tl.constexpr = 1):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     dtype = fc.dtype.element_ty
@@ -484,6 +587,13 @@ def _block_draft_kernel(
         if CHAIN:
             _chain_out(cand, cand_logp, r, slots, chain, n_chain, flat, step, log_cand, log_cand_logp, log_draft_logp,
                        log_steps, log_nodes, logp_scale, TOPK, BK_TOP, BNODES)
+        if TREE:    # the last slot to finish grows the tree from every slot's candidates
+            tl.debug_barrier()
+            if tl.atomic_add(tree_counter, 1, sem="acq_rel", scope="gpu") == slots - 1:
+                row = tl.minimum(tl.load(step), log_steps - 1)
+                _best_first_tree(cand, cand_logp, slots, pair_index, chain, parents, conv_index,
+                                 log_draft_logp + row * log_nodes, logp_scale, TOPK, TREE_NODES, CONV, BF, BC)
+                tl.store(tree_counter, 0)       # re-armed for the next launch
     # the last arrival re-arms the counter: every program has left every wait by then
     last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if last == (phase + 1) * programs - 1:
@@ -535,6 +645,60 @@ class ChainOut(NamedTuple):
         return torch.arange(drafted, device=device) * top_k
 
 
+class TreeOut(NamedTuple):
+    """Where a best-first tree over the slots' candidates goes (`_best_first_tree`): tokens,
+    parents [nodes] and conv_index [nodes, conv] (int64, as `SpecTopology` holds them; node
+    0, the root: its token is not written), and the step log's rows as `ChainOut`'s."""
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    conv_index: torch.Tensor
+    step: torch.Tensor
+    cand: torch.Tensor
+    cand_logp: torch.Tensor
+    draft_logp: torch.Tensor
+    logp_scale: float = 1.0
+
+
+def tree_pairs(nodes: int, top_k: int, device) -> torch.Tensor:
+    """The children `_best_first_tree` compares at each depth: the flat indices f * top_k + c
+    (frontier slot f, candidate c) with (f + 1)(c + 1) <= nodes - 1, in order, -1 after them
+    up to a power of two (int32)."""
+    B = nodes - 1
+    flat = [f * top_k + c for f in range(B) for c in range(top_k) if (f + 1) * (c + 1) <= B]
+    width = triton.next_power_of_2(len(flat))
+    return torch.tensor(flat + [-1] * (width - len(flat)), dtype=torch.int32, device=device)
+
+
+def tree_tiles(nodes: int, pairs: torch.Tensor) -> dict[str, int]:
+    """`_best_first_tree`'s widths: the frontier / selection slots and the children compared."""
+    return dict(BF=triton.next_power_of_2(nodes), BC=pairs.numel())
+
+
+
+@triton.jit
+def _best_first_tree_kernel(cand, cand_logp, slots, pairs, tokens, parents, conv_index, logp, TOPK: tl.constexpr,
+                            NODES: tl.constexpr, CONV: tl.constexpr, BF: tl.constexpr, BC: tl.constexpr):
+    _best_first_tree(cand, cand_logp, slots, pairs, tokens, parents, conv_index, logp, 1.0, TOPK, NODES, CONV, BF,
+                     BC)
+
+
+def best_first_tree(cand: torch.Tensor, cand_logp: torch.Tensor, nodes: int,
+                    conv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The draft kernel's tree alone, one program: (tokens, parents, logp [nodes], conv_index
+    [nodes, conv]) of the best-first tree over cand / cand_logp [slots, k] (best first per
+    slot), the root's token left 0. Its reference is `grow_tree(static_rows(...))`."""
+    S, k = cand.shape
+    dev = cand.device
+    if not 2 <= nodes <= MAX_ROWS:
+        raise ValueError(f"best-first tree: {nodes} nodes; the kernel grows 2 to {MAX_ROWS}")
+    pairs = tree_pairs(nodes, k, dev)
+    tokens, parents = torch.zeros(nodes, dtype=torch.long, device=dev), torch.zeros(nodes, dtype=torch.long, device=dev)
+    index, logp = torch.zeros(nodes, conv, dtype=torch.long, device=dev), torch.zeros(nodes, device=dev)
+    _best_first_tree_kernel[(1,)](cand.contiguous(), cand_logp.float().contiguous(), S, pairs, tokens, parents, index,
+                                  logp, TOPK=k, NODES=nodes, CONV=conv, **tree_tiles(nodes, pairs), num_warps=8)
+    return tokens, parents, logp, index
+
+
 class PersistentBlockDraft:
     """One launch per draft of a block drafter of `heads` heads, `window` context rows and
     blocks of `block` rows (root included): the weights, the second window and the scratch
@@ -571,6 +735,8 @@ class PersistentBlockDraft:
         self.y = torch.zeros(BM, D, **f32)
         self.rope_cos, self.rope_sin = rope_tables(window + block, HD, dev)
         self.counter = torch.zeros(1, device=dev, dtype=torch.int32)
+        self.tree_counter = torch.zeros(1, device=dev, dtype=torch.int32)      # slots done (a best-first tree)
+        self.pairs: dict[int, torch.Tensor] = {}
         self.status = torch.zeros(1, device=dev, dtype=torch.int32)
         self.blocks = dict(BN=32, BK=128, BH=32, BN_HEAD=32)
         unknown = set(blocks or ()) - set(self.blocks)
@@ -586,13 +752,15 @@ class PersistentBlockDraft:
 
     def __call__(self, root: torch.Tensor, result: torch.Tensor, features: torch.Tensor | None, ctx: torch.Tensor,
                  valid: torch.Tensor, kv: torch.Tensor, h: torch.Tensor, logits: torch.Tensor, cand: torch.Tensor,
-                 cand_logp: torch.Tensor, chain: ChainOut | None = None) -> None:
+                 cand_logp: torch.Tensor, chain: ChainOut | TreeOut | None = None) -> None:
         """Append the accepted path (result: a, end, bonus, path... as the speculative step
         writes it; a = -1 appends nothing) of `features` [nodes, F, D] to the window ctx
         [W, WD], valid [W] (bool) and kv [LD, 2, W, WD] (raw keys, values), then draft after
         `root` [1]: slot hiddens h [block-1, WD], fp32 logits [block-1, vocab], and the first
         `slots` slots' top-k cand [slots, k] (int64) and cand_logp [slots, k] (fp32). With
-        `chain`, the greedy chain of the slots' top-1 and its step-log row are written too."""
+        `chain`, the greedy chain of the slots' top-1 (or a fixed tree's picks) and its
+        step-log row are written too; with a `TreeOut`, the best-first tree over the slots'
+        candidates (`_best_first_tree`) and its row."""
         w, dev = self.widths, self.device
         S, k = self.slots, self.top_k
         expected = {"ctx": (ctx, (w["W"], w["WD"])), "valid": (valid, (w["W"],)),
@@ -612,7 +780,11 @@ class PersistentBlockDraft:
             features = ctx          # not read: a result with a = -1 appends nothing
         elif tuple(features.shape[1:]) != (w["F"], w["D"]) or not features.is_contiguous():
             raise ValueError(f"block draft: features must be contiguous [nodes, {w['F']}, {w['D']}]")
-        chain_args = self._chain_args(chain, cand)
+        tree = chain if isinstance(chain, TreeOut) else None
+        chain_args = self._tree_args(tree, cand) if tree is not None else self._chain_args(chain, cand)
+        pairs = self._pairs(tree.tokens.numel()) if tree is not None else None
+        tree_meta = dict(TREE=True, TREE_NODES=tree.tokens.numel(), CONV=tree.conv_index.shape[1],
+                         **tree_tiles(tree.tokens.numel(), pairs)) if tree is not None else {}
         wt, b = self.weights, self.blocks
         compiled = _block_draft_kernel[(self.programs,)](
             root, result, P, features, wt.fc, wt.ctx_norm, wt.in_proj, wt.mask_emb, wt.attn_norm, wt.w_qkv,
@@ -621,11 +793,14 @@ class PersistentBlockDraft:
             self.ctx_next, self.valid_next, self.kv_next, self.fc_out, self.x_a, self.x_b, self.qkv, self.part_o,
             self.part_d, self.y, h, logits, cand, cand_logp, self.counter, self.status, S, self.vocab,
             self.eps, self.target_eps, w["HD"] ** -0.5, *chain_args,
+            *((tree.parents, tree.conv_index, pairs, self.tree_counter) if tree is not None
+              else (cand, cand, self.counter, self.counter)),
             D=w["D"], FD=w["F"] * w["D"], WD=w["WD"], NH=w["NH"], HD=w["HD"], LD=w["LD"], MH=w["MH"], W=w["W"],
             B=w["B"], TOPK=k, BM=MAX_ROWS, BN=b["BN"], BK=b["BK"], BD=triton.next_power_of_2(w["D"]),
             BW=max(16, triton.next_power_of_2(w["W"])), BH=b["BH"], BN_HEAD=b["BN_HEAD"],
             BV=triton.next_power_of_2(self.vocab), DOT=self.dot, CHAIN=chain is not None,
-            BK_TOP=triton.next_power_of_2(k), BNODES=triton.next_power_of_2(chain_args[-2]), num_warps=self.num_warps)
+            BK_TOP=triton.next_power_of_2(k), BNODES=triton.next_power_of_2(chain_args[-2]), **tree_meta,
+            num_warps=self.num_warps)
         carveout.prefer(compiled)
 
     def _chain_args(self, chain: ChainOut | None, cand: torch.Tensor) -> tuple:
@@ -646,6 +821,33 @@ class PersistentBlockDraft:
                 raise ValueError("block draft: the chain's buffers must be contiguous on the kernel's device")
         return (chain.tokens, drafted, chain.flat, chain.step, chain.cand, chain.cand_logp, chain.draft_logp, steps,
                 nodes, chain.logp_scale)
+
+    def _tree_args(self, tree: TreeOut, cand: torch.Tensor) -> tuple:
+        """The kernel's chain arguments for a best-first tree (the log rows; no chain picks), checked."""
+        S, k = self.slots, self.top_k
+        steps, log_nodes = tree.draft_logp.shape
+        n = tree.tokens.numel()
+        if not 2 <= n <= min(log_nodes, MAX_ROWS):
+            raise ValueError(f"block draft: a best-first tree of {n} nodes into log rows of {log_nodes} "
+                             f"(the kernel grows 2 to {MAX_ROWS})")
+        if tuple(tree.parents.shape) != (n,) or tree.conv_index.dim() != 2 or tree.conv_index.shape[0] != n:
+            raise ValueError(f"block draft: a tree of {n} nodes needs parents [{n}] and conv_index [{n}, conv]")
+        if tuple(tree.cand.shape) != (steps, S, k) or tuple(tree.cand_logp.shape) != (steps, S, k):
+            raise ValueError(f"block draft: the candidate logs must be [{steps}, {S}, {k}]")
+        for t in (tree.tokens, tree.parents, tree.conv_index, tree.cand, tree.cand_logp, tree.draft_logp):
+            if not t.is_contiguous() or t.device != self.device:
+                raise ValueError("block draft: the tree's buffers must be contiguous on the kernel's device")
+        if tree.parents.dtype != torch.long or tree.conv_index.dtype != torch.long:
+            raise ValueError("block draft: the tree's parents and conv index must be int64")
+        return (tree.tokens, 0, tree.tokens, tree.step, tree.cand, tree.cand_logp, tree.draft_logp, steps, log_nodes,
+                tree.logp_scale)
+
+    def _pairs(self, nodes: int) -> torch.Tensor:
+        """`tree_pairs` for a tree of `nodes` over this draft's top-k, made once a size (a CUDA
+        graph holds its address)."""
+        if nodes not in self.pairs:
+            self.pairs[nodes] = tree_pairs(nodes, self.top_k, self.device)
+        return self.pairs[nodes]
 
     def failed(self) -> bool:
         """Whether a barrier gave up waiting since this draft was made (reads the device)."""

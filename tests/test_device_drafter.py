@@ -494,10 +494,10 @@ def test_trained_pair_bf16_graphed(kind):
     assert tokens / steps > 1.4, f"tau {tokens / steps:.2f}: the trained {kind} drafter barely drafts"
 
 
-def _decoders_agree(kind: str, option: str) -> DeviceBlockDrafter:
+def _decoders_agree(kind: str, option: str, shape: str = "chain") -> DeviceBlockDrafter:
     """Decode with the device drafter, `option` off and on: both exactly AR (the target picks
     every token) and, in fp32, the same accept lengths. Returns the drafter with it on."""
-    drafter, rt, ar, settings, prompt = _small_cuda_pair(kind)
+    drafter, rt, ar, settings, prompt = _small_cuda_pair(kind, shape)
     n = 64
     pre = rt.prefill(prompt, tuple(drafter.feature_layers))
     ar.reset(pre[0], prompt[-1])
@@ -530,6 +530,15 @@ def test_persistent_draft_decoder_equals_torch_path(kind):
     (fp32) exactly AR, and the same accept lengths as the torch path's drafts."""
     dev = _decoders_agree(kind, "persistent")
     assert dev.kernel is not None and dev.draft_note == "one persistent launch"
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_persistent_best_first_tree_decoder_equals_torch_path():
+    """The block drafter's best-first tree grown in the persistent draft's launch: (fp32)
+    exactly AR, and the same accept lengths as the trees grown by torch ops."""
+    dev = _decoders_agree("block", "persistent", "best-first")
+    assert dev.kernel_tree and "best-first tree in the same launch" in dev.draft_note, dev.draft_note
 
 
 @needs_cuda

@@ -39,8 +39,10 @@ def drafter_pair(dtype, device, kind: str = "block", seed: int = 0):
 
 
 def check_block_draft(dtype, device, programs: int | None = None, steps: int = 6, seed: int = 0,
-                      blocks: dict[str, int] | None = None) -> list[str]:
-    """`steps` drafts in a row by the kernel and by the torch path from the same window."""
+                      blocks: dict[str, int] | None = None, tree: bool = False) -> list[str]:
+    """`steps` drafts in a row by the kernel and by the torch path from the same window; with
+    `tree`, the kernel also grows the best-first tree over its candidates (`TreeOut`), checked
+    against `grow_tree` on them (tests/test_draft_tree.py)."""
     from kernels.triton_draft_step import PersistentBlockDraft
     from specla.graphs.draft_step import draft_weights
     dev = drafter_pair(dtype, device, seed=seed)
@@ -65,6 +67,13 @@ def check_block_draft(dtype, device, programs: int | None = None, steps: int = 6
     chain = ChainOut(torch.full((drafted + 1,), -7, device=device), flat, torch.zeros(1, dtype=torch.long, device=device),
                      torch.zeros(log_rows, S, k, dtype=torch.long, device=device), torch.zeros(log_rows, S, k, device=device),
                      torch.full((log_rows, nodes), 9.0, device=device), 0.5)
+    if tree:
+        from kernels.triton_draft_step import TreeOut
+        from tests.test_draft_tree import CONV
+        nodes = 9
+        chain = TreeOut(torch.full((nodes,), -7, device=device), torch.zeros(nodes, dtype=torch.long, device=device),
+                        torch.zeros(nodes, CONV, dtype=torch.long, device=device), chain.step, chain.cand,
+                        chain.cand_logp, torch.full((log_rows, nodes + 1), 9.0, device=device), 0.5)
     tol = 2e-4 if dtype == torch.float32 else 3e-2
     rng, problems = random.Random(seed), []
     for step in range(steps):
@@ -80,11 +89,21 @@ def check_block_draft(dtype, device, programs: int | None = None, steps: int = 6
         chain.step.fill_(step + 1)                   # past the log's last row: clamped to it
         kernel(root, result, features if a >= 0 else None, *window, h, logits, cand, cand_logp, chain)
         row = min(step + 1, log_rows - 1)
-        want_row = torch.zeros(nodes, device=device)
-        want_row[1:drafted + 1] = cand_logp.view(-1)[flat] * 0.5
-        if not (torch.equal(chain.tokens[1:], cand.view(-1)[flat]) and torch.equal(chain.cand[row], cand)
-                and torch.equal(chain.cand_logp[row], cand_logp) and torch.equal(chain.draft_logp[row], want_row)):
-            problems.append(f"step {step}: the draft or its log row is not the picked candidates and their log-probs")
+        if tree:
+            from tests.test_draft_tree import reference
+            want_tokens, want_parents, tree_logp, want_index = reference(cand, cand_logp, nodes)
+            want_row = torch.cat([tree_logp * 0.5, torch.zeros(1, device=device)])
+            if not (torch.equal(chain.tokens[1:], want_tokens[1:]) and torch.equal(chain.parents, want_parents)
+                    and torch.equal(chain.conv_index, want_index) and torch.equal(chain.draft_logp[row], want_row)
+                    and torch.equal(chain.cand[row], cand)):
+                problems.append(f"step {step}: the best-first tree or its log row is not grow_tree's")
+        else:
+            want_row = torch.zeros(nodes, device=device)
+            want_row[1:drafted + 1] = cand_logp.view(-1)[flat] * 0.5
+            if not (torch.equal(chain.tokens[1:], cand.view(-1)[flat]) and torch.equal(chain.cand[row], cand)
+                    and torch.equal(chain.cand_logp[row], cand_logp) and torch.equal(chain.draft_logp[row], want_row)):
+                problems.append(f"step {step}: the draft or its log row is not the picked candidates and their "
+                                "log-probs")
         if int(chain.tokens[0]) != -7:
             problems.append(f"step {step}: the chain's root was written")
         checks = {"slot logits": (logits[:S], want_logits[0]), "slot hiddens": (h[:S], want_h[0]),
@@ -112,6 +131,12 @@ def check_block_draft(dtype, device, programs: int | None = None, steps: int = 6
 @pytest.mark.parametrize("programs", [None, 5])
 def test_block_draft_matches_torch_path(dtype, programs):
     assert not check_block_draft(dtype, "cuda", programs=programs)
+
+
+@needs_cuda
+@pytest.mark.parametrize("programs", [None, 3])
+def test_block_draft_grows_the_best_first_tree(programs):
+    assert not check_block_draft(torch.bfloat16, "cuda", programs=programs, tree=True)
 
 
 @needs_cuda
@@ -144,8 +169,9 @@ def test_block_draft_bad_input():
 
 
 def test_block_draft_interpreter():
-    """One program through Triton's CPU interpreter, fp32 and bf16, several steps in a row."""
-    assert run_interpreted(__file__).count("ok ") == 2
+    """One program through Triton's CPU interpreter, fp32 and bf16, several steps in a row;
+    then a best-first tree grown in the launch."""
+    assert run_interpreted(__file__).count("ok ") == 3
 
 
 if __name__ == "__main__":
@@ -156,4 +182,7 @@ if __name__ == "__main__":
         problems = check_block_draft(dtype, "cpu", programs=1, steps=4)
         print("ok " if not problems else "FAILED ", dtype, problems)
         failed += bool(problems)
+    problems = check_block_draft(torch.float32, "cpu", programs=1, steps=3, tree=True)
+    print("ok " if not problems else "FAILED ", "best-first tree", problems)
+    failed += bool(problems)
     sys.exit(1 if failed else 0)

@@ -37,13 +37,15 @@ def test_ptxas_check_compiles_the_state_kernels_without_spills():
 
 
 def test_ptxas_check_records_the_persistent_kernels():
-    """The embedded pair's three persistent kernels are recorded with their launch options, and
-    the AR step (the quickest to compile) reports its shared memory and warps."""
+    """The embedded pair's three persistent kernels (the draft also growing a best-first tree)
+    are recorded with their launch options, and the AR step (the quickest to compile)
+    reports its shared memory and warps."""
     pytest.importorskip("triton")
     from benchmarks import ptxas_check
     launches = ptxas_check.persistent_launches()
     names = [launch[0].__name__ for _, launch in launches]
-    assert names == ["_decode_step_kernel", "_chain_verify_kernel", "_block_draft_kernel"]
+    assert names == ["_decode_step_kernel", "_chain_verify_kernel", "_block_draft_kernel", "_block_draft_kernel"]
     assert launches[2][1][2]["num_warps"] == 8
+    assert launches[3][1][2]["TREE"] and launches[3][1][2]["TREE_NODES"] == 16
     r = ptxas_check.launch_report(launches[0][1])
     assert r["shared_bytes"] > 0 and r["warps"] == 4 and 0 < r["registers"] <= 255, r

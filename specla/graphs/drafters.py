@@ -179,6 +179,11 @@ class DeviceBlockDrafter(_DeviceDrafter):
         # the block drafter's greedy chain (its top-1s) and its log row, written by the kernel too
         self.kernel_chain = (self.kernel is not None and not self.lilicorr and not self.samples_chains and (
             self.shape == "preset" or (self.shape == "chain" and self.prune_tau is None)))
+        # ... or its best-first tree, its topology and its log row (greedy, no pruning)
+        self.kernel_tree = (self.kernel is not None and not self.lilicorr and self.temperature == 0
+                            and self.shape == "best-first" and self.prune_tau is None and self.nodes <= 16)
+        if self.kernel_tree:
+            self.draft_note += ", the best-first tree in the same launch"
         if self.kernel is not None:
             self.k_h = torch.zeros(c.block_size - 1, c.width, device=dev, dtype=w.dtype)
             self.k_logits = torch.zeros(c.block_size - 1, self.parts.vocab_size, device=dev)
@@ -391,8 +396,11 @@ class DeviceBlockDrafter(_DeviceDrafter):
 
     @torch.no_grad()
     def kernel_draft(self, spec: GraphedSpec, result: torch.Tensor, features: torch.Tensor | None) -> None:
-        """Observe `result`'s path and draft with the persistent kernel (a greedy chain and its
-        log row in the same launch; anything else from its scores)."""
+        """Observe `result`'s path and draft with the persistent kernel (a greedy chain or a
+        best-first tree, and its log row, in the same launch; anything else from its scores)."""
+        if self.kernel_tree:
+            self._kernel_tree(spec, result, features)
+            return
         if not self.kernel_chain:
             self.propose_from(spec, self.kernel_scores(spec.state.root, result, features))
             return
@@ -401,6 +409,19 @@ class DeviceBlockDrafter(_DeviceDrafter):
                          spec.state.log.draft_logp, 0.0 if self.single_candidate else 1.0)
         self.kernel(spec.state.root, result, features, self.ctx, self.valid, self.kv_stack, self.k_h, self.k_logits,
                     self.k_cand, self.k_cand_logp, chain)
+
+    def _kernel_tree(self, spec: GraphedSpec, result: torch.Tensor, features: torch.Tensor | None) -> None:
+        """The kernel grows the best-first tree into the step's tokens, parents and conv index
+        (what the persistent verification reads); torch acceptance reads the rest of the
+        topology, rebuilt from those parents."""
+        from kernels.triton_draft_step import TreeOut
+        topo = spec.topo
+        tree = TreeOut(spec.tokens[0], topo.model_topo.parents, topo.conv_index, spec.state.step, self.log["cand"],
+                       self.log["cand_logp"], spec.state.log.draft_logp)
+        self.kernel(spec.state.root, result, features, self.ctx, self.valid, self.kv_stack, self.k_h, self.k_logits,
+                    self.k_cand, self.k_cand_logp, tree)
+        if not spec.kernel_accept:
+            topo.rebuild(topo.model_topo.parents)
 
     @torch.no_grad()
     def propose_from(self, spec: GraphedSpec, scores: dict[str, torch.Tensor]) -> None:
