@@ -29,6 +29,7 @@
 # phase-floor (benchmarks/phase_floor.cu: a dependent phase joined by a grid barrier or a cluster's),
 # l2-sides (benchmarks/l2_sides.cu: whether the SM that reads a tile keeps it in L2; options in L2_SIDES_ARGS),
 # kernels-ab (the embedded pair with this tree's kernels against BASE_TREE's, an earlier commit's; T_KERNELS_AB),
+# tree-ab (the block drafter's measured preset against its best-first tree grown in the draft's launch),
 # target (a second training stage of the embedded target from assets/target; needs data/corpus). Needs the
 # pure-Python wheels in .whl/ (see benchmarks/README.md). Results land in $OUT/results
 # (default /tmp/specla-out/results); a stage's time limit is its T_<STAGE> variable.
@@ -282,6 +283,11 @@ for stage in "$@"; do
         lc_speed lc_drafter_other "${T_DRAFTER_SPEED:-150}"
         cp /tmp/assets_block/* assets/drafters/block/
       fi ;;
+    tree-ab) # issue #15: the block drafter's measured preset against its best-first tree of 16 nodes over top-8
+      # candidates, grown in the draft's launch (TREE_AB_ARGS to change it), on 20 held-out prompts
+      pair_speed lc_tree_preset "${T_TREE_AB_FIRST:-360}" --ops fused; tail -2 "$R/log_lc_tree_preset.txt"
+      pair_speed lc_tree_best_first "${T_TREE_AB:-200}" --ops fused --preset '' \
+        ${TREE_AB_ARGS:---tree best-first --top-k 8 --budget 15}; tail -2 "$R/log_lc_tree_best_first.txt" ;;
     kernels-ab) # issue #15: the embedded pair's measured preset with this tree's kernels and with BASE_TREE's
       # (a carried `git archive <commit> kernels benchmarks tests specla conftest.py pytest.ini` unpacked under
       # runs/, its assets and prompts linked from here), one after the other on this machine, AB_ROUNDS times
