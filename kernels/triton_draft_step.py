@@ -24,7 +24,8 @@ every program recomputing the small row vectors it needs (a norm over a 256-wide
     out    final norm (the slot hiddens) + out_proj to the target width
     head   the target's final norm + its LM head over the slots
     top-k  per slot: log-softmax and the top-k candidates; for a greedy chain, the chain
-           itself and its row of the step log
+           itself and its row of the step log; for a best-first tree, the last slot's
+           program to finish grows it from every slot's candidates (`_best_first_tree`)
 
 A unit's weight tile is loaded before it waits at its phase's barrier. Partials are summed
 in a fixed order, so a draft's bits do not depend on which program finished first. Row
