@@ -11,7 +11,9 @@ instead (`specla.bench.e2e.pair_row`, through `specla.runner.run` on the engine:
 AR and speculation alternate three times, the fastest run of each kept) and reports the
 speedup over AR. A row is `drafter:tree:top_k:budget[:option=value...]`;
 options: depth (EAGLE and n-gram), sharpness (LiLiCorr trees, see
-`specla.drafters.lilicorr.tree_rows`), max_ngram, min_ngram, order (n-gram).
+`specla.drafters.lilicorr.tree_rows`), max_ngram, min_ngram, order (n-gram), preset (a tree
+preset over the drafter: JSON index paths, or `measured`, the drafter's own; the tree and
+budget are then the preset's).
 """
 from __future__ import annotations
 
@@ -66,6 +68,7 @@ def parse_row(spec: str) -> dict:
 def make_drafter(row: dict, model, drafters: Path):
     options = dict(row["options"])
     options.pop("depth", None)
+    preset = options.pop("preset", None)
     if row["drafter"] == "ngram":
         return NgramDrafter(model.config.vocab_size, **options)
     drafter = load_drafter(drafters / row["drafter"], model)
@@ -73,6 +76,8 @@ def make_drafter(row: dict, model, drafters: Path):
         drafter.tree_sharpness = options.pop("sharpness")
     if options:
         raise SystemExit(f"options {sorted(options)} do not apply to the {row['drafter']} drafter")
+    if preset is not None:
+        return runner.PresetShape(drafter, runner.preset_paths(preset, drafter, row["drafter"]))
     return drafter
 
 
@@ -128,12 +133,12 @@ def main() -> None:
         for name, prompts in sets.items():
             start = time.perf_counter()
             if args.speedup:
-                runtime = runtimes.setdefault(spec, runner.Runtime(
-                    model, tokenizer, {"row": drafter}, model_name="assets/target",
+                runtime = runtimes.setdefault(spec, runner.Runtime(     # the app applies a preset itself
+                    model, tokenizer, {"row": getattr(drafter, "inner", drafter)}, model_name="assets/target",
                     eos_token_id=model.config.eos_token_id, engine=engine))
                 app_settings = {"drafter": "row", "tree": row["tree"], "top_k": row["top_k"],
                                 "budget": row["budget"], "block_size": 8, "depth": settings.depth,
-                                "max_new_tokens": args.max_new_tokens}
+                                "max_new_tokens": args.max_new_tokens, "paths": row["options"].get("preset")}
                 result = pair_row(runtime, prompts, app_settings)
                 result["mismatching_prompts"] = result["exact"]["diverging_prompts"]
             else:
@@ -183,7 +188,8 @@ def render(report: dict) -> str:
     """The Markdown report: tau of every row on every set, then per-position acceptance."""
     names = list(report["sets"])
     base = {n: next((r["sets"][n]["tau"] for r in report["rows"]
-                     if r["drafter"] == "block" and r["tree"] == "chain"), None) for n in names}
+                     if r["drafter"] == "block" and r["tree"] == "chain" and "preset" not in r["options"]), None)
+            for n in names}
     skipped = f" (prompts {report['skip'] + 1}-{report['skip'] + max(report['sets'].values())} of each file)" \
         if report["skip"] else ""
     lines = [f"# Acceptance, {report['max_new_tokens']} new tokens, temperature 0", "",
