@@ -31,6 +31,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.bench_verify_step import time_us  # noqa: E402
 from kernels.pdl import grid_arrive, grid_wait  # noqa: E402
 from kernels.triton_projection import _dot, _dot_mode, _gemv_slice, _input_block, _row_rstd  # noqa: E402
 
@@ -122,21 +123,7 @@ def run_variant(form: str, rows: int, block_k: int, warps: int, phases: int, lau
                 DOT=_dot_mode(dtype), num_warps=warps, num_stages=1)   # as the verification launches
     launch = lambda stamped=False: _anatomy_kernel[(programs,)](  # noqa: E731
         x_a, x_b, res, res_out, norm_w, w, counter, status, times, rows, 1e-6, STAMPED=stamped, **meta)
-    for _ in range(3):
-        launch()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch()
-    us = []
-    for _ in range(launches):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        us.append(start.elapsed_time(end) * 1e3 / phases)
-    row = {"us_per_phase": round(statistics.median(us), 3)}
+    row = {"us_per_phase": round(time_us(launch, inner=1, repeats=launches) / phases, 3)}
     launch(stamped=not gemv)    # the unit stamps cost a reduction each: a launch of their own
     torch.cuda.synchronize()
     row["failed"] = bool(status.item())
