@@ -109,12 +109,13 @@ def _block_stats(stats, N, BLOCKS, BNODES: tl.constexpr, BB: tl.constexpr):
 
 
 @triton.jit
-def _choices(stats, N, BLOCKS, BNODES: tl.constexpr, BB: tl.constexpr):
+def _choices(stats, N, BLOCKS, VOCAB: tl.constexpr, BNODES: tl.constexpr, BB: tl.constexpr):
     """Each node's argmax [BNODES] int64 (the first of equal maxima, as torch's): the lowest
-    column among the blocks whose maximum is the row's; 0 past the N nodes."""
+    column among the blocks whose maximum is the row's; 0 past the N nodes. (NaN logits,
+    which match no maximum, give a token in range, not one past the vocabulary.)"""
     m, idx, _ = _block_stats(stats, N, BLOCKS, BNODES, BB)
     top = tl.max(m, 1)
-    first = tl.min(tl.where(m == top[:, None], idx, 2147483647), 1).to(tl.int64)
+    first = tl.minimum(tl.min(tl.where(m == top[:, None], idx, 2147483647), 1), VOCAB - 1).to(tl.int64)
     return tl.where(tl.arange(0, BNODES) < N, first, 0)
 
 
@@ -272,7 +273,7 @@ def _accept_phase(tokens, parents, logits, stats, BLOCKS, root, k_f, g_f, delta_
     barrier): every program merges the blocks' maxima into the nodes' choices and finds the
     accepted path; then the commit, the conv window and the bookkeeping, units dealt
     round-robin."""
-    choice = _choices(stats, N, BLOCKS, BNODES, BB)
+    choice = _choices(stats, N, BLOCKS, VOCAB, BNODES, BB)
     a, end, bonus, path = _accepted(tokens, parents, choice, N, BNODES, CHAIN)
     o_path = tl.arange(0, BNODES)
     C: tl.constexpr = H * (2 * K + V)
