@@ -543,6 +543,22 @@ def test_persistent_best_first_tree_decoder_equals_torch_path():
 
 @needs_cuda
 @pytest.mark.gpu
+def test_kernel_tree_with_torch_acceptance_equals_ar(monkeypatch):
+    """The kernel's best-first tree accepted by torch ops (which read the whole topology,
+    rebuilt from the kernel's parents): (fp32) exactly AR, graphed and eager."""
+    import specla.graphs.whole_step as whole_step
+    monkeypatch.setattr(whole_step, "FUSED_ACCEPT", False)
+    drafter, rt, ar, settings, prompt = _small_cuda_pair("block", "best-first")
+    n = 64
+    ar.reset(rt.prefill(prompt)[0], prompt[-1])
+    want = ar.decode(n)
+    assert DeviceBlockDrafter(drafter, settings).kernel_tree
+    graphed, eager = graphed_and_eager(rt, drafter, settings, prompt, n, want)
+    assert graphed[0][:n] == want and graphed[0] == eager[0]
+
+
+@needs_cuda
+@pytest.mark.gpu
 def test_fused_head_decoder_equals_torch_head():
     """The LiLiCorr head as Triton kernels inside the step graph: (fp32, tf32x3 products) the
     same chains as the torch head."""
