@@ -488,7 +488,8 @@ def _block_draft_kernel(
         ctx, valid, kv, ctx_next, valid_next, kv_next, fc_out, x_a, x_b, qkv, part_o, part_d, y_buf,
         h_out, logits, cand, cand_logp, counter, status, slots, VOCAB, eps, target_eps, scale,
         chain, n_chain, flat, step, log_cand, log_cand_logp, log_draft_logp, log_steps, log_nodes, logp_scale,
-        parents, conv_index, pair_index, tree_counter, D: tl.constexpr, FD: tl.constexpr, WD: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr,
+        parents, conv_index, pair_index, tree_counter,
+        D: tl.constexpr, FD: tl.constexpr, WD: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr,
         LD: tl.constexpr, MH: tl.constexpr, W: tl.constexpr, B: tl.constexpr, TOPK: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr,
         BH: tl.constexpr, BN_HEAD: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, CHAIN: tl.constexpr,
@@ -673,7 +674,6 @@ def tree_pairs(nodes: int, top_k: int, device) -> torch.Tensor:
 def tree_tiles(nodes: int, pairs: torch.Tensor) -> dict[str, int]:
     """`_best_first_tree`'s widths: the frontier / selection slots and the children compared."""
     return dict(BF=triton.next_power_of_2(nodes), BC=pairs.numel())
-
 
 
 @triton.jit
