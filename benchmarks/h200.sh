@@ -29,7 +29,8 @@
 # phase-floor (benchmarks/phase_floor.cu: a dependent phase joined by a grid barrier or a cluster's),
 # l2-sides (benchmarks/l2_sides.cu: whether the SM that reads a tile keeps it in L2; options in L2_SIDES_ARGS),
 # kernels-ab (the embedded pair with this tree's kernels against BASE_TREE's, an earlier commit's; T_KERNELS_AB),
-# tree-ab (the block drafter's measured preset against its best-first tree grown in the draft's launch),
+# tree-ab (the block drafter's measured preset against its best-first tree grown in the draft's launch; with
+# TREE_AB_LILICORR=1 LiLiCorr's tree of the same size too),
 # target (a second training stage of the embedded target from assets/target; needs data/corpus). Needs the
 # pure-Python wheels in .whl/ (see benchmarks/README.md). Results land in $OUT/results
 # (default /tmp/specla-out/results); a stage's time limit is its T_<STAGE> variable.
@@ -287,7 +288,11 @@ for stage in "$@"; do
       # candidates, grown in the draft's launch (TREE_AB_ARGS to change it), on 20 held-out prompts
       pair_speed lc_tree_preset "${T_TREE_AB_FIRST:-360}" --ops fused; tail -2 "$R/log_lc_tree_preset.txt"
       pair_speed lc_tree_best_first "${T_TREE_AB:-200}" --ops fused --preset '' \
-        ${TREE_AB_ARGS:---tree best-first --top-k 8 --budget 15}; tail -2 "$R/log_lc_tree_best_first.txt" ;;
+        ${TREE_AB_ARGS:---tree best-first --top-k 8 --budget 15}; tail -2 "$R/log_lc_tree_best_first.txt"
+      if [ -n "${TREE_AB_LILICORR:-}" ]; then   # LiLiCorr's tree of the same size (its head and tree as torch ops)
+        pair_speed lc_tree_lilicorr "${T_TREE_AB:-200}" --ops fused --preset '' --drafter lilicorr \
+          --tree best-first --top-k 8 --budget 15; tail -2 "$R/log_lc_tree_lilicorr.txt"
+      fi ;;
     kernels-ab) # issue #15: the embedded pair's measured preset with this tree's kernels and with BASE_TREE's
       # (a carried `git archive <commit> kernels benchmarks tests specla conftest.py pytest.ini` unpacked under
       # runs/, its assets and prompts linked from here), one after the other on this machine, AB_ROUNDS times
