@@ -44,6 +44,7 @@ import triton.language as tl
 
 from kernels import carveout
 from kernels.pdl import grid_arrive, grid_wait
+from kernels.triton_chain_accept import _pick
 from kernels.triton_decode_step import resident_programs
 from kernels.triton_lilicorr import _slot_topk
 from kernels.triton_projection import _dot, _dot_mode
@@ -380,13 +381,6 @@ def _chain_out(cand, cand_logp, r, slots, chain, n_chain, flat, step, log_cand, 
 
 
 @triton.jit
-def _gather(values, slot, at):
-    """values[at] for a register vector `values` indexed by `slot`, at positions `at` (any
-    shape [A]); 0 where no slot matches."""
-    return tl.sum(tl.where(at[:, None] == slot[None, :], values[None, :], 0), 1)
-
-
-@triton.jit
 def _best_first_tree(cand, cand_logp, slots, pairs, tokens, parents, conv_index, draft_logp, logp_scale,
                      TOPK: tl.constexpr, NODES: tl.constexpr, CONV: tl.constexpr, BF: tl.constexpr,
                      BC: tl.constexpr):
@@ -424,10 +418,10 @@ def _best_first_tree(cand, cand_logp, slots, pairs, tokens, parents, conv_index,
     for d in range(slots):
         lp = tl.load(cand_logp + d * TOPK + c_of, mask=child, other=NEG, cache_modifier=".cg")
         tok = tl.load(cand + d * TOPK + c_of, mask=child, other=0, cache_modifier=".cg")
-        alive = child & (_gather(f_alive.to(tl.int32), fq, f_of) != 0) & (lp > NEG)
-        score = tl.where(alive, _gather(f_score, fq, f_of) + lp, NEG)
+        alive = child & (_pick(f_alive.to(tl.int32), fq, f_of) != 0) & (lp > NEG)
+        score = tl.where(alive, _pick(f_score, fq, f_of) + lp, NEG)
         pool = 1 + d * B * TOPK + i
-        parent = _gather(f_pool, fq, f_of)
+        parent = _pick(f_pool, fq, f_of)
         # rank among the depth's children: j beats i on a higher score, or an equal one earlier
         beats = child[:, None] & ((score[:, None] > score[None, :])
                                   | ((score[:, None] == score[None, :]) & (i[:, None] < i[None, :])))
@@ -464,21 +458,21 @@ def _best_first_tree(cand, cand_logp, slots, pairs, tokens, parents, conv_index,
     out = fq < B
     node = tl.where(out, 1 + tl.sum(before.to(tl.int32), 0), -1)           # [slot]; -1 past the B kept
     # a parent's node: the root (pool index 0) or the selected entry of that pool index
-    par = tl.where(real, _gather(node, tl.where(out, s_pool, -1), s_parent), 0)
+    par = tl.where(real, _pick(node, tl.where(out, s_pool, -1), s_parent), 0)
     tl.store(tokens + node, tl.where(real, s_tok, -1), mask=out)
     tl.store(parents + node, par.to(tl.int64), mask=out)
     tl.store(draft_logp + node, tl.where(real, s_lp, 0.0) * logp_scale, mask=out)
     # node-indexed parents and depths (a dummy hangs off the root: depth 1), then the conv index
     n = tl.arange(0, BF)
-    n_par = _gather(par, node, n)                                           # the root: 0
-    n_depth = tl.where(n == 0, 0, _gather(tl.where(real, s_depth, 1), node, n))
+    n_par = _pick(par, node, n)                                           # the root: 0
+    n_depth = tl.where(n == 0, 0, _pick(tl.where(real, s_depth, 1), node, n))
     tl.store(parents, -1)
     hop = n
     for h in tl.static_range(CONV):             # tap CONV - 1 - h: h generations up, or a window slot
         w = CONV - 1 - h
         col = tl.where(n_depth >= h, CONV - 1 + hop, n_depth + w)
         tl.store(conv_index + n * CONV + w, col.to(tl.int64), mask=n < NODES)
-        hop = _gather(n_par, n, hop)
+        hop = _pick(n_par, n, hop)
 
 
 @triton.jit
