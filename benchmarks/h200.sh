@@ -289,9 +289,9 @@ for stage in "$@"; do
       pair_speed lc_tree_preset "${T_TREE_AB_FIRST:-360}" --ops fused; tail -2 "$R/log_lc_tree_preset.txt"
       pair_speed lc_tree_best_first "${T_TREE_AB:-200}" --ops fused --preset '' \
         ${TREE_AB_ARGS:---tree best-first --top-k 8 --budget 15}; tail -2 "$R/log_lc_tree_best_first.txt"
-      if [ -n "${TREE_AB_LILICORR:-}" ]; then   # LiLiCorr's tree of the same size (its head and tree as torch ops)
-        pair_speed lc_tree_lilicorr "${T_TREE_AB:-200}" --ops fused --preset '' --drafter lilicorr \
-          --tree best-first --top-k 8 --budget 15; tail -2 "$R/log_lc_tree_lilicorr.txt"
+      if [ -n "${TREE_AB_LILICORR:-}" ]; then   # LiLiCorr's tree of the same size: grown by torch ops, then by a kernel
+        pair_speed lc_tree_lilicorr "${T_TREE_AB:-300}" --ops fused,fused+latticetree --preset '' --drafter lilicorr \
+          --tree best-first --top-k 8 --budget 15; tail -3 "$R/log_lc_tree_lilicorr.txt"
       fi ;;
     kernels-ab) # issue #15: the embedded pair's measured preset with this tree's kernels and with BASE_TREE's
       # (a carried `git archive <commit> kernels benchmarks tests specla conftest.py pytest.ini` unpacked under

@@ -37,6 +37,7 @@ from kernels import triton_projection as projection, triton_recurrent_step as re
 from kernels import triton_verify, triton_verify_step  # noqa: E402
 from specla.graphs import ops as graph_ops  # noqa: E402
 from specla.graphs import draft_step, whole_step  # noqa: E402
+from specla.graphs import drafters as graph_drafters  # noqa: E402
 from specla import runner  # noqa: E402
 from specla.acceptance import read_prompts  # noqa: E402
 from specla.bench.measure import decode_bytes  # noqa: E402
@@ -227,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(kernels/triton_decode_step.py), +whole runs it at any width, and +pN with N programs; "
                         "+noverify verifies chains with per-op launches, not one persistent launch "
                         "(kernels/triton_verify_step.py); +nodraft drafts a block drafter's block with torch "
-                        "ops, not one persistent launch (kernels/triton_draft_step.py); +noaccept accepts a "
+                        "ops, not one persistent launch (kernels/triton_draft_step.py); +notree grows a greedy best-first block "
+                        "tree with torch ops after the draft's launch, not in it, and +latticetree grows LiLiCorr's "
+                        "in a launch of its own (specla/graphs/drafters.py); +noaccept accepts a "
                         "chain with torch ops after its verification, not in the same launch "
                         "(kernels/triton_chain_accept.py); +noswap runs the projections of 3-16 rows of a large "
                         "narrow matrix on cuBLAS, not fused in the swapped tl.dot form (kernels/triton_projection.py); "
@@ -293,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         whole_step.WHOLE_STEP_PROGRAMS = next((int(f[1:]) for f in flags if f[:1] == "p" and f[1:].isdigit()), None)
         whole_step.WHOLE_VERIFY = "noverify" not in flags
         draft_step.PERSISTENT_DRAFT = "nodraft" not in flags
+        graph_drafters.TREE_KERNEL = "notree" not in flags
+        graph_drafters.LATTICE_TREE_KERNEL = "latticetree" in flags
         whole_step.FUSED_ACCEPT = "noaccept" not in flags
         projection.SWAP_MIN_BYTES = None if "noswap" in flags else swap_min_bytes
         projection.SWAP_PRELOAD = ("preload" in flags or swap_preload) and "nopreload" not in flags
@@ -327,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             graph_ops.RECURRENT_STEP_KERNEL, recurrent_step.PDL_MODE = recurrent_kernel, recurrent_pdl
             whole_step.WHOLE_STEP_MAX_HIDDEN, whole_step.WHOLE_STEP_PROGRAMS = whole_max_hidden, None
             whole_step.WHOLE_VERIFY = draft_step.PERSISTENT_DRAFT = whole_step.FUSED_ACCEPT = True
+            graph_drafters.TREE_KERNEL, graph_drafters.LATTICE_TREE_KERNEL = True, False
             projection.SWAP_MIN_BYTES, projection.FEW_BLOCKS_TILING = swap_min_bytes, few_blocks
             projection.SWAP_PRELOAD, projection.SWAP_MAX_COLUMNS = swap_preload, swap_max_columns
             l2_prefetch.use_l2_prefetch(True)

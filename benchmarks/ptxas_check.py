@@ -1,14 +1,16 @@
 """Instructions, registers and spills of the fused LiLiCorr head's launches for an H100 /
 H200 (sm_90), on a machine without a GPU:
 
-    python benchmarks/ptxas_check.py [--top-k 4 8] [--shape embedded gdn-1.3b] [--kernels head verify persistent]
+    python benchmarks/ptxas_check.py [--top-k 4 8] [--shape embedded gdn-1.3b]
+        [--kernels head verify persistent tree]
 
 Each launch of `FusedLiLiCorrHead.draft` is recorded instead of run and compiled by Triton
 for sm_90 (`--kernels verify`: the verification's state kernels instead, the parallel form
 and the persistent verify step; `--kernels persistent`: the embedded pair's three persistent
 kernels, with the shared memory each program asks for, which sets the L1 / shared split the
-driver gives each). The ptxas that ships with Triton assembles its PTX and
-reports the registers a thread uses and the bytes it spills; Triton's cuobjdump lists the machine code. The head
+driver gives each; `--kernels tree`: the best-first draft tree as a launch of its own). The
+ptxas that ships with Triton assembles its PTX and reports the registers a thread uses and
+the bytes it spills; Triton's cuobjdump lists the machine code. The head
 program's H200 times have tracked these counts (benchmarks/results/h200/README.md, sessions
 5 and 6), so a change can be checked here before it costs device time.
 """
@@ -218,6 +220,18 @@ def persistent_launches() -> list[tuple[str, tuple]]:
     return out
 
 
+def tree_launches() -> list[tuple[str, tuple]]:
+    """(case, launch) of `best_first_tree` as a launch of its own, 16 nodes of top-8 over 7
+    slots: the block drafter's static rows and LiLiCorr's conditional ones."""
+    from kernels import triton_draft_step
+    out, long = [], dict(dtype=torch.long)
+    for name, rows in (("static rows (block)", torch.zeros(7, 8)), ("conditional rows (LiLiCorr)", torch.zeros(7, 8, 8))):
+        launch = recorded_launches(lambda: triton_draft_step.best_first_tree(torch.zeros(7, 8, **long), rows, 16, 4),
+                                   ["_best_first_tree_kernel"], triton_draft_step)[0]
+        out.append((f"best-first tree of 16, {name}", launch))
+    return out
+
+
 def launch_report(launch: tuple) -> dict:
     """One recorded launch -> its name, sm_90 instructions, registers, spill bytes, shared
     memory bytes a program and warps."""
@@ -233,7 +247,7 @@ def main(argv=None) -> int:
     parser.add_argument("--top-k", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--shape", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--num-warps", type=int, default=8)
-    parser.add_argument("--kernels", nargs="+", default=["head"], choices=["head", "verify", "persistent"])
+    parser.add_argument("--kernels", nargs="+", default=["head"], choices=["head", "verify", "persistent", "tree"])
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: this compiles the kernels")
@@ -252,6 +266,13 @@ def main(argv=None) -> int:
             r = launch_report(launch)
             print(f"| {r['launch']} | {case} | {r['shared_bytes']} | {r['warps']} | {r['registers']} | "
                   f"{r['instructions']} | {r['spill_stores']} | {r['spill_loads']} |", flush=True)
+    if "tree" in args.kernels:
+        print("| launch | case | warps | registers | instructions | spill stores (bytes) | spill loads (bytes) |")
+        print("|---|---|---|---|---|---|---|")
+        for case, launch in tree_launches():
+            r = launch_report(launch)
+            print(f"| {r['launch']} | {case} | {r['warps']} | {r['registers']} | {r['instructions']} | "
+                  f"{r['spill_stores']} | {r['spill_loads']} |", flush=True)
     if "head" not in args.kernels:
         return 0
     print("| shape | top-k | launch | instructions | registers | spill stores (bytes) | spill loads (bytes) |")

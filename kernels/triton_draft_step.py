@@ -36,6 +36,7 @@ differ by the order of fp32 sums only. The block's rows and the path's rows are 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import torch
@@ -381,23 +382,29 @@ def _chain_out(cand, cand_logp, r, slots, chain, n_chain, flat, step, log_cand, 
 
 
 @triton.jit
-def _best_first_tree(cand, cand_logp, slots, pairs, tokens, parents, conv_index, draft_logp, logp_scale,
+def _best_first_tree(cand, rows, slots, pairs, tokens, parents, conv_index, draft_logp, logp_scale,
                      TOPK: tl.constexpr, NODES: tl.constexpr, CONV: tl.constexpr, BF: tl.constexpr,
-                     BC: tl.constexpr):
-    """`specla.graphs.trees.grow_tree`'s best-first search over static rows (the slots'
-    top-TOPK candidates, best first: the block drafter's), with NODES - 1 nodes, in one
-    program: the tree's tokens (node 0, the root, not written; -1 for a dummy node), parents
-    (-1 at the root), the conv window index `SpecTopology.rebuild` derives from them, and
-    each node's log-prob times logp_scale into the step log's row draft_logp.
+                     BC: tl.constexpr, COND: tl.constexpr = False, BK: tl.constexpr = 1):
+    """`specla.graphs.trees.grow_tree`'s best-first search with NODES - 1 nodes, in one
+    program, over the slots' top-TOPK candidates cand [slots, TOPK]: the tree's tokens (node
+    0, the root, not written; -1 for a dummy node), parents (-1 at the root), the conv window
+    index `SpecTopology.rebuild` derives from them, and each node's log-prob times
+    logp_scale into the step log's row draft_logp. The rows are static (`static_rows`: rows
+    [slots, TOPK], best first: the block drafter's) or, with COND, conditional on the
+    parent's candidate (`conditional_rows`: rows [slots, TOPK, TOPK], row [d, c] the
+    children's log-probs under a parent that is candidate c of slot d - 1, in candidate
+    order, row [0, c] the root's for every c: LiLiCorr's `tree_rows`), each ordered here by
+    counting as grow_tree sorts it (descending, stable).
 
     A depth's children are the frontier's B = NODES - 1 slots times TOPK, in grow_tree's pool
     order; a child's rank among them (score desc, then index) gives the next frontier, and
     merged with the selection so far (earlier depths first on equal scores) the best B of
     everything grown, kept in rank order. Every rank is a count of the entries that beat an
-    entry ([BC, BC] compares), so no sort is needed. The frontier is in rank order and each
-    slot's candidates best first, so child (f, c) is beaten by every (f' <= f, c' <= c): only
-    the `pairs` (`tree_pairs`: flat indices f * TOPK + c with (f + 1)(c + 1) <= B, -1 past
-    them) can rank among the best B, and they are all that is compared."""
+    entry ([BC, BC] compares), so no sort is needed. Only the children of the flat indices
+    `pairs` (f * TOPK + c, frontier slot f, place c in its row; -1 past them: `tree_pairs`)
+    are compared. Static rows trim them: the frontier is in rank order and every row is the
+    same best-first row, so child (f, c) is beaten by every (f' <= f, c' <= c), and only
+    those with (f + 1)(c + 1) <= B can rank among the best B."""
     B: tl.constexpr = NODES - 1
     NEG: tl.constexpr = float("-inf")
     fq = tl.arange(0, BF)                       # frontier and selection slots
@@ -411,13 +418,26 @@ def _best_first_tree(cand, cand_logp, slots, pairs, tokens, parents, conv_index,
     s_tok = tl.zeros([BF], dtype=tl.int64)
     s_lp = tl.zeros([BF], dtype=tl.float32)
     s_alive = tl.zeros([BF], dtype=tl.int32)
-    i = tl.load(pairs + tl.arange(0, BC))       # a depth's children: frontier slot i // TOPK, rank i % TOPK
+    f_cand = tl.zeros([BF], dtype=tl.int32)     # (COND) each frontier node's candidate index in its slot
+    i = tl.load(pairs + tl.arange(0, BC))       # a depth's children: frontier slot i // TOPK, place i % TOPK
     child = i >= 0
     f_of = tl.where(child, i // TOPK, BF)
     c_of = tl.where(child, i % TOPK, 0)
     for d in range(slots):
-        lp = tl.load(cand_logp + d * TOPK + c_of, mask=child, other=NEG, cache_modifier=".cg")
-        tok = tl.load(cand + d * TOPK + c_of, mask=child, other=0, cache_modifier=".cg")
+        if COND:    # the parent's row, then the candidate at place c_of of its descending order
+            kk = tl.arange(0, BK)
+            parent_cand = _pick(f_cand, fq, f_of)
+            vals = tl.load(rows + (d * TOPK + parent_cand)[:, None] * TOPK + kk[None, :],
+                           mask=child[:, None] & (kk < TOPK)[None, :], other=NEG, cache_modifier=".cg")
+            ahead = ((vals[:, :, None] > vals[:, None, :])
+                     | ((vals[:, :, None] == vals[:, None, :]) & (kk[:, None] < kk[None, :])[None, :, :]))
+            placed = tl.sum(ahead.to(tl.int32), 1) == c_of[:, None]            # [child, candidate]
+            c_idx = tl.sum(tl.where(placed, kk[None, :], 0), 1)
+            lp = tl.sum(tl.where(placed, vals, 0.0), 1)
+        else:
+            c_idx = c_of
+            lp = tl.load(rows + d * TOPK + c_of, mask=child, other=NEG, cache_modifier=".cg")
+        tok = tl.load(cand + d * TOPK + c_idx, mask=child, other=0, cache_modifier=".cg")
         alive = child & (_pick(f_alive.to(tl.int32), fq, f_of) != 0) & (lp > NEG)
         score = tl.where(alive, _pick(f_score, fq, f_of) + lp, NEG)
         pool = 1 + d * B * TOPK + i
@@ -431,6 +451,7 @@ def _best_first_tree(cand, cand_logp, slots, pairs, tokens, parents, conv_index,
         f_alive = (tl.sum(tl.where(take & alive[None, :], 1, 0), 1) > 0) & (fq < B)
         f_score = tl.where(f_alive, tl.sum(tl.where(take, score[None, :], 0.0), 1), NEG)
         f_pool = tl.sum(tl.where(take, pool[None, :], 0), 1)
+        f_cand = tl.sum(tl.where(take, c_idx[None, :], 0), 1)
         # merged ranks: a kept entry (an earlier depth) beats a child on an equal score
         kept = (fq < B) & (d > 0)
         g_child = rank + tl.sum((kept[:, None] & (s_score[:, None] >= score[None, :])).to(tl.int32), 0)
@@ -655,14 +676,21 @@ class TreeOut(NamedTuple):
     logp_scale: float = 1.0
 
 
-def tree_pairs(nodes: int, top_k: int, device) -> torch.Tensor:
+def tree_pairs(nodes: int, top_k: int, device, static: bool = True) -> torch.Tensor:
     """The children `_best_first_tree` compares at each depth: the flat indices f * top_k + c
-    (frontier slot f, candidate c) with (f + 1)(c + 1) <= nodes - 1, in order, -1 after them
-    up to a power of two (int32)."""
+    (frontier slot f, place c in its row) that can rank among the best nodes - 1, in order,
+    -1 after them up to a power of two (int32). Static rows: (f + 1)(c + 1) <= nodes - 1;
+    conditional ones: c < nodes - 1 (only its earlier siblings surely beat a child)."""
     B = nodes - 1
-    flat = [f * top_k + c for f in range(B) for c in range(top_k) if (f + 1) * (c + 1) <= B]
+    flat = [f * top_k + c for f in range(B) for c in range(top_k) if ((f + 1) * (c + 1) if static else c + 1) <= B]
     width = triton.next_power_of_2(len(flat))
     return torch.tensor(flat + [-1] * (width - len(flat)), dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_pairs(nodes: int, top_k: int, device: torch.device, static: bool) -> torch.Tensor:
+    """`tree_pairs`, made once (a launch inside a CUDA graph capture cannot copy it over)."""
+    return tree_pairs(nodes, top_k, device, static)
 
 
 def tree_tiles(nodes: int, pairs: torch.Tensor) -> dict[str, int]:
@@ -671,27 +699,39 @@ def tree_tiles(nodes: int, pairs: torch.Tensor) -> dict[str, int]:
 
 
 @triton.jit
-def _best_first_tree_kernel(cand, cand_logp, slots, pairs, tokens, parents, conv_index, logp, TOPK: tl.constexpr,
-                            NODES: tl.constexpr, CONV: tl.constexpr, BF: tl.constexpr, BC: tl.constexpr):
-    _best_first_tree(cand, cand_logp, slots, pairs, tokens, parents, conv_index, logp, 1.0, TOPK, NODES, CONV, BF,
-                     BC)
+def _best_first_tree_kernel(cand, rows, slots, pairs, tokens, parents, conv_index, logp, TOPK: tl.constexpr,
+                            NODES: tl.constexpr, CONV: tl.constexpr, BF: tl.constexpr, BC: tl.constexpr,
+                            COND: tl.constexpr, BK: tl.constexpr):
+    _best_first_tree(cand, rows, slots, pairs, tokens, parents, conv_index, logp, 1.0, TOPK, NODES, CONV, BF, BC,
+                     COND, BK)
 
 
-def best_first_tree(cand: torch.Tensor, cand_logp: torch.Tensor, nodes: int,
-                    conv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The draft kernel's tree alone, one program: (tokens, parents, logp [nodes], conv_index
-    [nodes, conv]) of the best-first tree over cand / cand_logp [slots, k] (best first per
-    slot), the root's token left 0. Its reference is `grow_tree(static_rows(...))`."""
+def best_first_tree(cand: torch.Tensor, rows: torch.Tensor, nodes: int, conv: int,
+                    out: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...]:
+    """`_best_first_tree` as a launch of its own, one program: the best-first tree of `nodes`
+    nodes over cand [slots, k] with static rows [slots, k] (best first) or conditional rows
+    [slots, k, k] (LiLiCorr's `tree_rows`, stacked). Fills `out` = (tokens, parents, logp
+    [nodes], conv_index [nodes, conv]; int64 but logp fp32), or new tensors (the root's token
+    0), and returns them. Its reference is `grow_tree` over `static_rows` or
+    `conditional_rows`."""
     S, k = cand.shape
     dev = cand.device
     if not 2 <= nodes <= MAX_ROWS:
         raise ValueError(f"best-first tree: {nodes} nodes; the kernel grows 2 to {MAX_ROWS}")
-    pairs = tree_pairs(nodes, k, dev)
-    tokens, parents = torch.zeros(nodes, dtype=torch.long, device=dev), torch.zeros(nodes, dtype=torch.long, device=dev)
-    index, logp = torch.zeros(nodes, conv, dtype=torch.long, device=dev), torch.zeros(nodes, device=dev)
-    _best_first_tree_kernel[(1,)](cand.contiguous(), cand_logp.float().contiguous(), S, pairs, tokens, parents, index,
-                                  logp, TOPK=k, NODES=nodes, CONV=conv, **tree_tiles(nodes, pairs), num_warps=8)
-    return tokens, parents, logp, index
+    if tuple(rows.shape) not in ((S, k), (S, k, k)):
+        raise ValueError(f"best-first tree: rows {tuple(rows.shape)} for candidates [{S}, {k}]: "
+                         f"[{S}, {k}] or [{S}, {k}, {k}]")
+    cond = rows.dim() == 3
+    if out is None:
+        long = dict(dtype=torch.long, device=dev)
+        out = (torch.zeros(nodes, **long), torch.zeros(nodes, **long), torch.zeros(nodes, device=dev),
+               torch.zeros(nodes, conv, **long))
+    tokens, parents, logp, index = out
+    pairs = _cached_pairs(nodes, k, dev, not cond)
+    _best_first_tree_kernel[(1,)](cand.contiguous(), rows.float().contiguous(), S, pairs, tokens, parents, index, logp,
+                                  TOPK=k, NODES=nodes, CONV=conv, **tree_tiles(nodes, pairs), COND=cond,
+                                  BK=triton.next_power_of_2(k), num_warps=8)
+    return out
 
 
 class PersistentBlockDraft:
@@ -731,7 +771,6 @@ class PersistentBlockDraft:
         self.rope_cos, self.rope_sin = rope_tables(window + block, HD, dev)
         self.counter = torch.zeros(1, device=dev, dtype=torch.int32)
         self.tree_counter = torch.zeros(1, device=dev, dtype=torch.int32)      # slots done (a best-first tree)
-        self.pairs: dict[int, torch.Tensor] = {}
         self.status = torch.zeros(1, device=dev, dtype=torch.int32)
         self.blocks = dict(BN=32, BK=128, BH=32, BN_HEAD=32)
         unknown = set(blocks or ()) - set(self.blocks)
@@ -777,7 +816,7 @@ class PersistentBlockDraft:
             raise ValueError(f"block draft: features must be contiguous [nodes, {w['F']}, {w['D']}]")
         tree = chain if isinstance(chain, TreeOut) else None
         chain_args = self._tree_args(tree, cand) if tree is not None else self._chain_args(chain, cand)
-        pairs = self._pairs(tree.tokens.numel()) if tree is not None else None
+        pairs = _cached_pairs(tree.tokens.numel(), k, self.device, True) if tree is not None else None
         tree_meta = dict(TREE=True, TREE_NODES=tree.tokens.numel(), CONV=tree.conv_index.shape[1],
                          **tree_tiles(tree.tokens.numel(), pairs)) if tree is not None else {}
         wt, b = self.weights, self.blocks
@@ -836,13 +875,6 @@ class PersistentBlockDraft:
             raise ValueError("block draft: the tree's parents and conv index must be int64")
         return (tree.tokens, 0, tree.tokens, tree.step, tree.cand, tree.cand_logp, tree.draft_logp, steps, log_nodes,
                 tree.logp_scale)
-
-    def _pairs(self, nodes: int) -> torch.Tensor:
-        """`tree_pairs` for a tree of `nodes` over this draft's top-k, made once a size (a CUDA
-        graph holds its address)."""
-        if nodes not in self.pairs:
-            self.pairs[nodes] = tree_pairs(nodes, self.top_k, self.device)
-        return self.pairs[nodes]
 
     def failed(self) -> bool:
         """Whether a barrier gave up waiting since this draft was made (reads the device)."""

@@ -543,6 +543,15 @@ def test_persistent_best_first_tree_decoder_equals_torch_path():
 
 @needs_cuda
 @pytest.mark.gpu
+def test_lilicorr_best_first_tree_kernel_equals_torch_path():
+    """LiLiCorr's best-first tree (rows conditional on the parent) grown in one launch after
+    the head: (fp32) exactly AR, and the same accept lengths as `grow_tree`'s torch ops."""
+    dev = _decoders_agree("lilicorr", "tree_kernel", "best-first")
+    assert dev.lattice_tree and "LiLiCorr's best-first tree in one launch" in dev.draft_note, dev.draft_note
+
+
+@needs_cuda
+@pytest.mark.gpu
 def test_kernel_tree_with_torch_acceptance_equals_ar(monkeypatch):
     """The kernel's best-first tree accepted by torch ops (which read the whole topology,
     rebuilt from the kernel's parents): (fp32) exactly AR, graphed and eager."""

@@ -92,6 +92,14 @@ class _DeviceDrafter:
         self.propose(spec)
 
 
+# Greedy best-first trees grown by `kernels.triton_draft_step._best_first_tree`: the block
+# drafter's inside its persistent draft launch (on), LiLiCorr's in a launch of its own after the
+# head (off: its [128, 128] compares spill 2.3 KB a thread in the sm_90 build, and neither is
+# measured on a GPU yet; `benchmarks/launch_counts.py --ops fused+latticetree` times it).
+TREE_KERNEL = True
+LATTICE_TREE_KERNEL = False
+
+
 class DeviceBlockDrafter(_DeviceDrafter):
     """A loaded `BlockDrafter` / `LiLiCorrDrafter` drafting from static device buffers.
 
@@ -105,12 +113,16 @@ class DeviceBlockDrafter(_DeviceDrafter):
     the draft's torch ops. persistent: observe + block pass + top-k (and a greedy block chain
     with its log row) as one persistent Triton launch (None: where `draft_step.block_draft_for`
     finds that it applies and agrees with the torch ops; True: the same, or an error saying
-    why not; False: torch ops); `draft_note` says which.
+    why not; False: torch ops); `draft_note` says which. tree_kernel: grow a greedy
+    best-first tree (no pruning) with `kernels.triton_draft_step._best_first_tree`, the block
+    drafter's in its persistent launch and LiLiCorr's in a launch of its own on CUDA (True;
+    None: as `TREE_KERNEL` and `LATTICE_TREE_KERNEL` say), or with `grow_tree`'s torch ops
+    (False).
     """
 
     def __init__(self, drafter: BlockDrafter, settings: DraftSettings, compile: bool = False,
                  fused_head: bool | None = None, persistent: bool | None = None,
-                 preset: list[list[int]] | None = None):
+                 preset: list[list[int]] | None = None, tree_kernel: bool | None = None):
         net, c = drafter.net, drafter.net.config
         self.preset = [tuple(p) for p in preset] if preset else None
         if self.preset:
@@ -179,11 +191,17 @@ class DeviceBlockDrafter(_DeviceDrafter):
         # the block drafter's greedy chain (its top-1s) and its log row, written by the kernel too
         self.kernel_chain = (self.kernel is not None and not self.lilicorr and not self.samples_chains and (
             self.shape == "preset" or (self.shape == "chain" and self.prune_tau is None)))
-        # ... or its best-first tree, its topology and its log row (greedy, no pruning)
-        self.kernel_tree = (self.kernel is not None and not self.lilicorr and self.temperature == 0
-                            and self.shape == "best-first" and self.prune_tau is None and self.nodes <= 16)
+        # ... or its best-first tree, its topology and its log row (greedy, no pruning); LiLiCorr's
+        # best-first tree (rows conditional on the parent) as one launch after the head
+        greedy_tree = self.temperature == 0 and self.shape == "best-first" and self.prune_tau is None and self.nodes <= 16
+        on = lambda default: tree_kernel or (tree_kernel is None and default)  # noqa: E731
+        self.kernel_tree = greedy_tree and on(TREE_KERNEL) and self.kernel is not None and not self.lilicorr
+        self.lattice_tree = greedy_tree and on(LATTICE_TREE_KERNEL) and self.lilicorr and dev.type == "cuda"
         if self.kernel_tree:
             self.draft_note += ", the best-first tree in the same launch"
+        if self.lattice_tree:
+            self.tree_logp = torch.zeros(self.nodes, device=dev)
+            self.draft_note += ", LiLiCorr's best-first tree in one launch"
         if self.kernel is not None:
             self.k_h = torch.zeros(c.block_size - 1, c.width, device=dev, dtype=w.dtype)
             self.k_logits = torch.zeros(c.block_size - 1, self.parts.vocab_size, device=dev)
@@ -423,6 +441,19 @@ class DeviceBlockDrafter(_DeviceDrafter):
         if not spec.kernel_accept:
             topo.rebuild(topo.model_topo.parents)
 
+    def _lattice_tree(self, spec: GraphedSpec, scores: dict[str, torch.Tensor]) -> None:
+        """LiLiCorr's best-first tree from the head's scores in one launch, into the step's
+        tokens, parents, conv index and log row (the rest of the topology as `_kernel_tree`)."""
+        from kernels.triton_draft_step import best_first_tree
+        k, topo = self.top_k, spec.topo
+        start_lp, pair_lp = tree_rows(scores["start"], scores["pair"], scores["cand_logp"], self.sharpness)
+        rows = torch.cat([start_lp.float().expand(1, k, k), pair_lp.float()])
+        best_first_tree(scores["cand"], rows, self.nodes, topo.conv_index.shape[1],
+                        out=(spec.tokens[0], topo.model_topo.parents, self.tree_logp, topo.conv_index))
+        self.log_draft(spec, self.tree_logp)
+        if not spec.kernel_accept:
+            topo.rebuild(topo.model_topo.parents)
+
     @torch.no_grad()
     def propose_from(self, spec: GraphedSpec, scores: dict[str, torch.Tensor]) -> None:
         """The draft from the slots' scores into `spec.tokens`, its topology and the logs."""
@@ -430,10 +461,13 @@ class DeviceBlockDrafter(_DeviceDrafter):
         q = None
         if self.samples_chains:
             grown, q = self.sampled_chain(root, scores.pop("logits"), scores)
+            self.write(spec, grown, q)
+        elif self.lattice_tree:
+            scores.pop("logits")
+            self._lattice_tree(spec, scores)
         else:
             scores.pop("logits")
-            grown = self._choose(root, scores)
-        self.write(spec, grown, q)
+            self.write(spec, self._choose(root, scores), q)
         row = spec.state.log.row(spec.state.step)
         for name, buf in self.log.items():
             buf.index_copy_(0, row, scores[name][None].to(buf.dtype))
