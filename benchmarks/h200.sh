@@ -30,7 +30,7 @@
 # l2-sides (benchmarks/l2_sides.cu: whether the SM that reads a tile keeps it in L2; options in L2_SIDES_ARGS),
 # kernels-ab (the embedded pair with this tree's kernels against BASE_TREE's, an earlier commit's; T_KERNELS_AB),
 # tree-ab (the block drafter's measured preset against its best-first tree grown in the draft's launch; with
-# TREE_AB_LILICORR=1 LiLiCorr's tree of the same size too),
+# TREE_AB_LILICORR=1 LiLiCorr's tree of the same size too, grown by torch ops and by its own launch),
 # target (a second training stage of the embedded target from assets/target; needs data/corpus). Needs the
 # pure-Python wheels in .whl/ (see benchmarks/README.md). Results land in $OUT/results
 # (default /tmp/specla-out/results); a stage's time limit is its T_<STAGE> variable.
