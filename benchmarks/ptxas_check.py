@@ -242,6 +242,19 @@ def launch_report(launch: tuple) -> dict:
             "warps": compiled.metadata.num_warps}
 
 
+COLUMNS = {"instructions": "instructions", "registers": "registers", "spill_stores": "spill stores (bytes)",
+           "spill_loads": "spill loads (bytes)", "shared_bytes": "shared bytes", "warps": "warps"}
+
+
+def print_reports(cases: list[tuple[str, tuple]], columns: tuple[str, ...]) -> None:
+    """A Markdown table of `launch_report`'s `columns` for each (case, launch)."""
+    print("| launch | case | " + " | ".join(COLUMNS[c] for c in columns) + " |")
+    print("|---|---|" + "---|" * len(columns))
+    for case, launch in cases:
+        r = launch_report(launch)
+        print(f"| {r['launch']} | {case} | " + " | ".join(str(r[c]) for c in columns) + " |", flush=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--top-k", type=int, nargs="+", default=[4, 8])
@@ -252,27 +265,12 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: this compiles the kernels")
     if "verify" in args.kernels:
-        print("| launch | case | instructions | registers | spill stores (bytes) | spill loads (bytes) |")
-        print("|---|---|---|---|---|---|")
-        for case, launch in verify_launches():
-            r = launch_report(launch)
-            print(f"| {r['launch']} | {case} | {r['instructions']} | {r['registers']} | {r['spill_stores']} | "
-                  f"{r['spill_loads']} |", flush=True)
+        print_reports(verify_launches(), ("instructions", "registers", "spill_stores", "spill_loads"))
     if "persistent" in args.kernels:
-        print("| launch | case | shared bytes | warps | registers | instructions | spill stores (bytes) | "
-              "spill loads (bytes) |")
-        print("|---|---|---|---|---|---|---|---|")
-        for case, launch in persistent_launches():
-            r = launch_report(launch)
-            print(f"| {r['launch']} | {case} | {r['shared_bytes']} | {r['warps']} | {r['registers']} | "
-                  f"{r['instructions']} | {r['spill_stores']} | {r['spill_loads']} |", flush=True)
+        print_reports(persistent_launches(), ("shared_bytes", "warps", "registers", "instructions", "spill_stores",
+                                              "spill_loads"))
     if "tree" in args.kernels:
-        print("| launch | case | warps | registers | instructions | spill stores (bytes) | spill loads (bytes) |")
-        print("|---|---|---|---|---|---|---|")
-        for case, launch in tree_launches():
-            r = launch_report(launch)
-            print(f"| {r['launch']} | {case} | {r['warps']} | {r['registers']} | {r['instructions']} | "
-                  f"{r['spill_stores']} | {r['spill_loads']} |", flush=True)
+        print_reports(tree_launches(), ("warps", "registers", "instructions", "spill_stores", "spill_loads"))
     if "head" not in args.kernels:
         return 0
     print("| shape | top-k | launch | instructions | registers | spill stores (bytes) | spill loads (bytes) |")
