@@ -841,36 +841,36 @@ class PersistentBlockDraft:
         """The kernel's chain arguments (placeholders without a chain), checked."""
         if chain is None:
             return (cand, 0, cand, cand, cand, cand, cand, 1, 1, 0.0)
-        S, k = self.slots, self.top_k
-        steps, nodes = chain.draft_logp.shape
+        steps, nodes = self._check_logs(chain, (chain.tokens, chain.flat), "chain")
         drafted = chain.flat.numel()
         # (the candidates' range is the caller's to check: reading them back here would sync a capture)
         if not 1 <= drafted or chain.tokens.numel() != drafted + 1 or nodes <= drafted or chain.flat.dtype != torch.long:
             raise ValueError(f"block draft: {drafted} drafted tokens (int64 candidate indices) into "
                              f"{chain.tokens.numel()} tokens and log rows of {nodes}")
-        if tuple(chain.cand.shape) != (steps, S, k) or tuple(chain.cand_logp.shape) != (steps, S, k):
-            raise ValueError(f"block draft: the candidate logs must be [{steps}, {S}, {k}]")
-        for t in (chain.tokens, chain.flat, chain.cand, chain.cand_logp, chain.draft_logp):
-            if not t.is_contiguous() or t.device != self.device:
-                raise ValueError("block draft: the chain's buffers must be contiguous on the kernel's device")
         return (chain.tokens, drafted, chain.flat, chain.step, chain.cand, chain.cand_logp, chain.draft_logp, steps,
                 nodes, chain.logp_scale)
 
+    def _check_logs(self, out: ChainOut | TreeOut, buffers: tuple, what: str) -> tuple[int, int]:
+        """(steps, nodes) of a chain's or tree's step log, after checking its candidate logs'
+        shapes and that every buffer is contiguous on the kernel's device."""
+        S, k = self.slots, self.top_k
+        steps, nodes = out.draft_logp.shape
+        if tuple(out.cand.shape) != (steps, S, k) or tuple(out.cand_logp.shape) != (steps, S, k):
+            raise ValueError(f"block draft: the candidate logs must be [{steps}, {S}, {k}]")
+        for t in buffers + (out.cand, out.cand_logp, out.draft_logp):
+            if not t.is_contiguous() or t.device != self.device:
+                raise ValueError(f"block draft: the {what}'s buffers must be contiguous on the kernel's device")
+        return steps, nodes
+
     def _tree_args(self, tree: TreeOut, cand: torch.Tensor) -> tuple:
         """The kernel's chain arguments for a best-first tree (the log rows; no chain picks), checked."""
-        S, k = self.slots, self.top_k
-        steps, log_nodes = tree.draft_logp.shape
+        steps, log_nodes = self._check_logs(tree, (tree.tokens, tree.parents, tree.conv_index), "tree")
         n = tree.tokens.numel()
         if not 2 <= n <= min(log_nodes, MAX_ROWS):
             raise ValueError(f"block draft: a best-first tree of {n} nodes into log rows of {log_nodes} "
                              f"(the kernel grows 2 to {MAX_ROWS})")
         if tuple(tree.parents.shape) != (n,) or tree.conv_index.dim() != 2 or tree.conv_index.shape[0] != n:
             raise ValueError(f"block draft: a tree of {n} nodes needs parents [{n}] and conv_index [{n}, conv]")
-        if tuple(tree.cand.shape) != (steps, S, k) or tuple(tree.cand_logp.shape) != (steps, S, k):
-            raise ValueError(f"block draft: the candidate logs must be [{steps}, {S}, {k}]")
-        for t in (tree.tokens, tree.parents, tree.conv_index, tree.cand, tree.cand_logp, tree.draft_logp):
-            if not t.is_contiguous() or t.device != self.device:
-                raise ValueError("block draft: the tree's buffers must be contiguous on the kernel's device")
         if tree.parents.dtype != torch.long or tree.conv_index.dtype != torch.long:
             raise ValueError("block draft: the tree's parents and conv index must be int64")
         return (tree.tokens, 0, tree.tokens, tree.step, tree.cand, tree.cand_logp, tree.draft_logp, steps, log_nodes,
